@@ -1,0 +1,150 @@
+"""Every knob of Slow-Fast Inference (METHOD.md), validated, with the paper's defaults.
+
+Field names follow METHOD.md: ``sink`` (S), ``recent`` (R), ``k_head`` (K), ``evidence_window``
+(W), ``refresh_interval``, ``min_refresh_gap``, and the Selector constants of section 3.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from sfi.errors import SFIConfigError
+
+TriggerPolicy = Literal["sentence", "fixed", "random", "bootstrap"]
+TRIGGER_POLICIES: tuple[str, ...] = ("sentence", "fixed", "random", "bootstrap")
+
+# beta = -ln(0.6) / 0.9: the positional prior falls to 0.6 of its peak at u = 0.9 (with p = 1).
+DEFAULT_BETA = -math.log(0.6) / 0.9
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SFIConfigError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise SFIConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _require_float(name: str, value: Any, low: float | None = None, high: float | None = None,
+                   low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SFIConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(float(value)):
+        raise SFIConfigError(f"{name} must be finite, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise SFIConfigError(f"{name} must be {bound}, got {value}")
+    if high is not None and value > high:
+        raise SFIConfigError(f"{name} must be <= {high}, got {value}")
+
+
+@dataclass(frozen=True)
+class SFIConfig:
+    """Configuration of slow-fast decoding.
+
+    Memory of a fast step, per (layer, KV head): ``sink`` first tokens, ``K`` selected tokens
+    from the middle region, and the ``recent`` last tokens (plus every token generated since the
+    last refresh). K is ``k_head`` tokens, or ``k_fraction`` of the context when that is given
+    (then ``k_head`` must be left at None).
+    """
+
+    # --- memory of a fast step (METHOD.md section 2) ---
+    sink: int = 4
+    recent: int = 256
+    k_head: int | None = 2048
+    k_fraction: float | None = None
+    evidence_window: int = 16
+    force_sparse: bool = False
+
+    # --- slow-step triggers ---
+    trigger: TriggerPolicy = "sentence"
+    refresh_interval: int = 96
+    min_refresh_gap: int = 16
+    period: int = 32
+    random_period_min: int = 16
+    random_period_max: int = 96
+    seed: int = 0
+
+    # --- the Selector (METHOD.md section 3) ---
+    alpha: float = 0.5
+    gamma: float = 0.5
+    w_norm: float = 1.0
+    w_pos: float = 0.7
+    pos_power: float = 1.8
+    eta: float = 0.4
+    beta: float = DEFAULT_BETA
+    lambda_cap_single: float = 0.35
+    lambda_cap_multi: float = 0.25
+    nms_radius: int = 16
+    nms_strength: float = 1.0
+    exclusivity_temperature: float = 2.0
+    exclusivity_strength: float = 0.85
+    exclusivity_min_heads: int = 3
+
+    def __post_init__(self) -> None:
+        _require_int("sink", self.sink, 0)
+        _require_int("recent", self.recent, 1)
+        if self.k_head is not None and self.k_fraction is not None:
+            raise SFIConfigError(
+                "give the budget either as k_head (tokens per KV head) or as k_fraction "
+                f"(fraction of the context), not both (got k_head={self.k_head!r}, "
+                f"k_fraction={self.k_fraction!r}); set k_head=None to use k_fraction"
+            )
+        if self.k_head is None and self.k_fraction is None:
+            raise SFIConfigError("a budget is needed: set k_head (tokens) or k_fraction")
+        if self.k_head is not None:
+            _require_int("k_head", self.k_head, 0)
+        if self.k_fraction is not None:
+            _require_float("k_fraction", self.k_fraction, 0.0, 1.0, low_open=True)
+        _require_int("evidence_window", self.evidence_window, 1)
+        if not isinstance(self.force_sparse, bool):
+            raise SFIConfigError(f"force_sparse must be True or False, got {self.force_sparse!r}")
+        if self.trigger not in TRIGGER_POLICIES:
+            raise SFIConfigError(
+                f"trigger must be one of {', '.join(TRIGGER_POLICIES)}; got {self.trigger!r}"
+            )
+        _require_int("refresh_interval", self.refresh_interval, 1)
+        _require_int("min_refresh_gap", self.min_refresh_gap, 0)
+        _require_int("period", self.period, 1)
+        _require_int("random_period_min", self.random_period_min, 1)
+        _require_int("random_period_max", self.random_period_max, 1)
+        if self.random_period_max < self.random_period_min:
+            raise SFIConfigError(
+                f"random_period_max ({self.random_period_max}) must be >= random_period_min "
+                f"({self.random_period_min})"
+            )
+        _require_int("seed", self.seed, 0)
+        _require_float("alpha", self.alpha, 0.0)
+        for name in ("gamma", "w_norm", "w_pos", "eta", "beta", "nms_strength",
+                     "exclusivity_strength"):
+            _require_float(name, getattr(self, name), 0.0)
+        _require_float("pos_power", self.pos_power, 0.0, low_open=True)
+        _require_float("lambda_cap_single", self.lambda_cap_single, 0.0, 1.0)
+        _require_float("lambda_cap_multi", self.lambda_cap_multi, 0.0, 1.0)
+        _require_int("nms_radius", self.nms_radius, 0)
+        _require_float("exclusivity_temperature", self.exclusivity_temperature, 0.0,
+                       low_open=True)
+        _require_int("exclusivity_min_heads", self.exclusivity_min_heads, 1)
+
+    def budget(self, context: int) -> int:
+        """K, the selected tokens per KV head for a sequence of ``context`` real tokens."""
+        if self.k_head is not None:
+            return self.k_head
+        return math.ceil(self.k_fraction * context)
+
+    def sparse_pays(self, context: int) -> bool:
+        """Whether fast steps are on for a sequence of ``context`` real tokens.
+
+        While T < S + K + R there is nothing to save, so decoding stays dense, unless
+        ``force_sparse`` asks for the slow/fast machinery anyway (used by the equivalence tests).
+        """
+        return self.force_sparse or context >= self.sink + self.budget(context) + self.recent
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,49 @@
+"""The interface between the mechanics of slow-fast decoding and whatever ranks positions.
+
+A scorer sees the evidence of one slow step for one layer (attention logits of the evidence
+queries, the cached key norms, and the candidate region per sequence) and returns one score per
+(sequence, KV head, position); larger is better. Everything else (which region is a candidate,
+how many to keep, top-K, packing the compact buffer) lives in the shared mechanics, so a baseline
+is just another scorer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a slow step knows about one layer, for the sequences being refreshed.
+
+    Shapes: B sequences, H KV heads, N evidence rows per KV head (G query heads x W queries),
+    T cache positions.
+
+    Attributes:
+        logits: ``[B, H, N, T]`` scaled attention logits q.k / sqrt(d), ``-inf`` where a row may
+            not look (padding, the future).
+        key_norms: ``[B, H, T]`` L2 norm of each cached (post-RoPE) key.
+        candidates: ``[B, T]`` bool, the middle region M = [lo, hi) of each sequence.
+        lo: ``[B]`` first candidate position (after the sinks) of each sequence.
+        hi: ``[B]`` end of the candidate region (start of the recent window).
+        layer_idx: the model layer the evidence comes from.
+    """
+
+    logits: torch.Tensor
+    key_norms: torch.Tensor
+    candidates: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    layer_idx: int
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Ranks candidate positions from a slow step's evidence."""
+
+    def score(self, evidence: Evidence) -> torch.Tensor:
+        """Return ``[B, H, T]`` scores (larger keeps); only candidate positions are read."""
+        ...

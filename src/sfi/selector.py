@@ -1,0 +1,187 @@
+"""The Selector of Slow-Fast Inference (METHOD.md section 3), as plain tensor functions.
+
+For one layer, every sequence b and KV head h, over the middle region M = [lo, hi):
+
+1. evidence f: power mean (alpha) over the evidence rows of the attention probabilities
+   restricted to M, renormalised;
+2. prior r: softmax over M of  w_norm * (-gamma * log||k_i||) + w_pos * (-beta u^p + eta log(1-u));
+3. fusion: s = (1 - lambda) f + lambda r with lambda* = <f, f - r> / ||f - r||^2, clipped;
+4. soft-NMS on l = log s: l' = l - strength * max(0, max_{|j-i|<=radius} l(j) - l(i));
+5. cross-head exclusivity: l'' = l' + strength * log softmax_h(l' / temperature);
+6. top-K of l'' per KV head.
+
+Shapes: B sequences, H KV heads, N evidence rows, T positions. Positions outside M carry
+``candidates == False`` and never influence a candidate's score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sfi.config import SFIConfig
+from sfi.scorers import Evidence
+
+NEG_INF = float("-inf")
+
+
+def _normalise(x: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Scale ``x [B, H, T]`` to sum to 1 over the candidates; uniform where it sums to 0."""
+    x = x * candidates[:, None, :]
+    total = x.sum(dim=-1, keepdim=True)
+    uniform = candidates[:, None, :].to(x.dtype) / candidates.sum(-1).clamp(min=1)[:, None, None]
+    return torch.where(total > 0, x / total.clamp(min=torch.finfo(x.dtype).tiny), uniform)
+
+
+def evidence_distribution(logits: torch.Tensor, candidates: torch.Tensor,
+                          alpha: float = 0.5) -> torch.Tensor:
+    """Stage 1, the evidence f ``[B, H, T]`` from logits ``[B, H, N, T]``.
+
+    p_r = softmax of row r over every key it may see, then restricted to M;
+    f = ((1/N) sum_r p_r^alpha)^(1/alpha), renormalised over M (alpha = 0: geometric mean).
+    Rows that may see nothing (padding queries) have p_r = 0.
+    """
+    p = torch.softmax(logits.float(), dim=-1).nan_to_num(0.0)
+    p = p * candidates[:, None, None, :]
+    if alpha == 0:
+        f = torch.exp(torch.log(p).mean(dim=-2))
+    else:
+        f = p.pow(alpha).mean(dim=-2).pow(1.0 / alpha)
+    return _normalise(f, candidates)
+
+
+def prior_distribution(key_norms: torch.Tensor, candidates: torch.Tensor, lo: torch.Tensor,
+                       hi: torch.Tensor, *, gamma: float, w_norm: float, w_pos: float,
+                       power: float, eta: float, beta: float) -> torch.Tensor:
+    """Stage 2, the prior r ``[B, H, T]`` from key norms ``[B, H, T]`` and positions.
+
+    u(i) = (i - lo) / (hi - lo - 1) in [0, 1];
+    log r(i) = w_norm * (-gamma log||k_i||) + w_pos * (-beta u^p + eta log(1 - u)); softmax over M.
+    """
+    positions = torch.arange(key_norms.shape[-1], device=key_norms.device)
+    span = (hi - lo - 1).clamp(min=1).to(torch.float32)
+    u = ((positions[None, :] - lo[:, None]).float() / span[:, None]).clamp(0.0, 1.0)  # [B, T]
+    log_r = torch.zeros_like(key_norms, dtype=torch.float32)
+    if w_norm != 0 and gamma != 0:
+        log_r = log_r + w_norm * (-gamma * torch.log(key_norms.float().clamp(min=1e-12)))
+    if w_pos != 0:
+        positional = -beta * u.pow(power)
+        if eta != 0:
+            positional = positional + eta * torch.log1p(-u)
+        log_r = log_r + w_pos * positional[:, None, :]
+    log_r = log_r.masked_fill(~candidates[:, None, :], NEG_INF)
+    return _normalise(torch.softmax(log_r, dim=-1).nan_to_num(0.0), candidates)
+
+
+def fusion_weight(f: torch.Tensor, r: torch.Tensor, cap: float) -> torch.Tensor:
+    """Stage 3a, lambda* = <f, f - r> / ||f - r||^2 clipped to [0, cap]: ``[B, H]``.
+
+    The point of the segment from f to r with the smallest sum_i s(i)^2 (the flattest mixture in
+    the Renyi-2 sense); lambda = 0 when f == r.
+    """
+    d = f - r
+    numerator = (f * d).sum(dim=-1)
+    denominator = (d * d).sum(dim=-1)
+    safe = denominator.clamp(min=torch.finfo(denominator.dtype).tiny)
+    lam = torch.where(denominator > 0, numerator / safe, torch.zeros_like(numerator))
+    return lam.clamp(0.0, cap)
+
+
+def fuse(f: torch.Tensor, r: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """Stage 3b, s = (1 - lambda) f + lambda r, the minimiser of
+    (1 - lambda) KL(f || s) + lambda KL(r || s). ``lam`` is ``[B, H]``."""
+    lam = lam[..., None]
+    return (1.0 - lam) * f + lam * r
+
+
+def soft_nms(log_s: torch.Tensor, candidates: torch.Tensor, radius: int = 16,
+             strength: float = 1.0) -> torch.Tensor:
+    """Stage 4, soft non-maximum suppression along positions on ``log_s [B, H, T]``.
+
+    m(i) = max of l over |j - i| <= radius within M; l'(i) = l(i) - strength * max(0, m(i) - l(i)).
+    Local maxima keep their score; near-duplicates of a stronger neighbour are pushed down.
+    """
+    if strength == 0 or radius == 0:
+        return log_s
+    masked = log_s.masked_fill(~candidates[:, None, :], NEG_INF)
+    b, h, t = masked.shape
+    neighbourhood_max = F.max_pool1d(masked.reshape(b * h, 1, t), kernel_size=2 * radius + 1,
+                                     stride=1, padding=radius).reshape(b, h, t)
+    gap = (neighbourhood_max - masked).clamp(min=0.0)
+    gap = torch.where(torch.isfinite(masked), gap, torch.zeros_like(gap))
+    return masked - strength * gap
+
+
+def exclusivity(log_s: torch.Tensor, candidates: torch.Tensor, temperature: float = 2.0,
+                strength: float = 0.85, min_heads: int = 3) -> torch.Tensor:
+    """Stage 5, cross-head exclusivity over the KV heads of a layer, on ``log_s [B, H, T]``.
+
+    rho_h(i) = softmax over h of l'_h(i) / temperature; l''_h(i) = l'_h(i) + strength log rho_h(i).
+    A position that several heads want is discounted for the heads that want it least.
+    Skipped when the layer has fewer than ``min_heads`` KV heads (METHOD.md: 2 or fewer).
+    """
+    if strength == 0 or log_s.shape[1] < min_heads:
+        return log_s
+    log_rho = torch.log_softmax(log_s / temperature, dim=1)
+    out = log_s + strength * log_rho
+    return out.masked_fill(~candidates[:, None, :], NEG_INF)
+
+
+def top_k_positions(scores: torch.Tensor, candidates: torch.Tensor,
+                    k_per_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 6, the K best candidates per (sequence, KV head), in increasing position order.
+
+    Args:
+        scores: ``[B, H, T]``, larger keeps; NaN and -inf at a candidate rank it last among
+            candidates (it can still be chosen when fewer than K candidates score higher).
+        candidates: ``[B, T]`` bool.
+        k_per_row: ``[B]`` how many to keep per sequence, at most the number of candidates.
+
+    Returns:
+        ``(positions [B, H, k_max], valid [B, k_max])`` with k_max = max(k_per_row); slots
+        ``j >= k_per_row[b]`` are invalid and hold the position of the first candidate.
+    """
+    b, h, t = scores.shape
+    k_max = int(k_per_row.max().item()) if b else 0
+    if k_max == 0:
+        empty = torch.zeros(b, h, 0, dtype=torch.long, device=scores.device)
+        return empty, torch.zeros(b, 0, dtype=torch.bool, device=scores.device)
+    lowest = torch.finfo(torch.float32).min
+    ranked = scores.float().nan_to_num(nan=lowest, posinf=torch.finfo(torch.float32).max,
+                                       neginf=lowest)
+    ranked = ranked.masked_fill(~candidates[:, None, :], NEG_INF)
+    top = torch.topk(ranked, k_max, dim=-1).indices  # [B, H, k_max], best first
+    slot = torch.arange(k_max, device=scores.device)
+    valid = slot[None, :] < k_per_row[:, None]  # [B, k_max]
+    top = top.masked_fill(~valid[:, None, :], t)  # invalid slots sort last
+    top = torch.sort(top, dim=-1).values
+    first_candidate = candidates.float().argmax(dim=-1)  # [B]
+    return torch.where(top == t, first_candidate[:, None, None], top), valid
+
+
+@dataclass(frozen=True)
+class SFISelector:
+    """The SFI Selector, stages 1-5 (stage 6, top-K, is shared by every scorer).
+
+    Each stage can be switched off: ``nms_strength=0``, ``exclusivity_strength=0``,
+    ``lambda caps = 0`` (pure evidence), ``w_norm = w_pos = 0`` (flat prior).
+    """
+
+    config: SFIConfig
+
+    def score(self, evidence: Evidence) -> torch.Tensor:
+        c = self.config
+        m = evidence.candidates
+        f = evidence_distribution(evidence.logits, m, c.alpha)
+        r = prior_distribution(evidence.key_norms, m, evidence.lo, evidence.hi, gamma=c.gamma,
+                               w_norm=c.w_norm, w_pos=c.w_pos, power=c.pos_power, eta=c.eta,
+                               beta=c.beta)
+        n_rows = evidence.logits.shape[-2]
+        cap = c.lambda_cap_single if n_rows == 1 else c.lambda_cap_multi
+        s = fuse(f, r, fusion_weight(f, r, cap))
+        log_s = torch.log(s).masked_fill(~m[:, None, :], NEG_INF)
+        log_s = soft_nms(log_s, m, c.nms_radius, c.nms_strength)
+        return exclusivity(log_s, m, c.exclusivity_temperature, c.exclusivity_strength,
+                           c.exclusivity_min_heads)

@@ -1,0 +1,67 @@
+"""Counters of a slow-fast decode: which steps were slow or fast, why, and how much was read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sfi.triggers import REFRESH_REASONS
+
+
+def _no_refreshes() -> dict[str, int]:
+    return dict.fromkeys(REFRESH_REASONS, 0)
+
+
+@dataclass
+class DecodeStats:
+    """Per-sequence (or summed) counters.
+
+    Attributes:
+        slow_steps: decode steps that attended densely and refreshed the selection.
+        fast_steps: decode steps that read only sink + selected + recent.
+        dense_steps: decode steps that attended densely because the context was still shorter
+            than sink + K + recent (nothing to save yet), or every step in ``mode="full"``.
+        refresh_reasons: refreshes by cause: ``bootstrap`` (after prefill, or the first time the
+            context is long enough), ``sentence``, ``interval`` (reuse budget), ``period``
+            (ablation policies).
+        fast_read_fraction: mean over fast steps of (entries read) / (context length).
+    """
+
+    slow_steps: int = 0
+    fast_steps: int = 0
+    dense_steps: int = 0
+    refresh_reasons: dict[str, int] = field(default_factory=_no_refreshes)
+    fast_read_sum: float = 0.0
+
+    @property
+    def fast_read_fraction(self) -> float:
+        return self.fast_read_sum / self.fast_steps if self.fast_steps else 0.0
+
+    @property
+    def decode_steps(self) -> int:
+        return self.slow_steps + self.fast_steps + self.dense_steps
+
+    def record_fast_step(self, read_fraction: float) -> None:
+        self.fast_steps += 1
+        self.fast_read_sum += read_fraction
+
+    @classmethod
+    def merge(cls, parts: list[DecodeStats]) -> DecodeStats:
+        total = cls()
+        for part in parts:
+            total.slow_steps += part.slow_steps
+            total.fast_steps += part.fast_steps
+            total.dense_steps += part.dense_steps
+            total.fast_read_sum += part.fast_read_sum
+            for reason, count in part.refresh_reasons.items():
+                total.refresh_reasons[reason] = total.refresh_reasons.get(reason, 0) + count
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "slow_steps": self.slow_steps,
+            "fast_steps": self.fast_steps,
+            "dense_steps": self.dense_steps,
+            "refresh_reasons": dict(self.refresh_reasons),
+            "fast_read_fraction": round(self.fast_read_fraction, 6),
+        }
