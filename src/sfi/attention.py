@@ -32,7 +32,7 @@ ATTENTION_NAME = "sfi"
 
 
 def _logits(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    """Scaled (and soft-capped) logits ``[..., Q, T]`` of ``q [..., Q, D]`` against ``k [..., T, D]``."""
+    """Scaled, soft-capped logits ``[..., Q, T]`` of ``q [..., Q, D]`` on ``k [..., T, D]``."""
     z = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if softcap:
         z = softcap * torch.tanh(z / softcap)

@@ -285,8 +285,9 @@ class SlowFastCache(Cache):
         max_cache_len: optional capacity hint (prompt + new tokens) to avoid regrowth.
     """
 
-    def __init__(self, model: torch.nn.Module, config: SFIConfig | None = None, tokenizer: Any = None,
-                 scorer: Scorer | None = None, max_cache_len: int | None = None):
+    def __init__(self, model: torch.nn.Module, config: SFIConfig | None = None,
+                 tokenizer: Any = None, scorer: Scorer | None = None,
+                 max_cache_len: int | None = None):
         from sfi.attention import route_model  # the attention module imports this one
 
         self.config = config if config is not None else SFIConfig()
@@ -487,7 +488,8 @@ def _resolve_tokenizer(model: torch.nn.Module, tokenizer: Any) -> Any:
     if source and Path(source).is_dir():
         return AutoTokenizer.from_pretrained(source)
     raise SFIError("sentence triggers need the tokenizer: pass SlowFastCache(model, config, "
-                   "tokenizer=tok), load the model with sfi.load, or use SFIConfig(trigger='fixed')")
+                   "tokenizer=tok), load the model with sfi.load, "
+                   "or use SFIConfig(trigger='fixed')")
 
 
 def _build_layers(owner: SlowFastCache, model_config: Any) -> list[CacheLayerMixin]:

@@ -185,6 +185,21 @@ def _ensure_converted(gguf: Path, target: Path) -> Path:
     return convert_gguf(gguf, target)
 
 
+def load_tokenizer(name_or_path: str = "default") -> Any:
+    """Only the tokenizer: from the converted folder when there is one, else straight from the
+    GGUF (seconds, where converting the model can take a minute)."""
+    from transformers import AutoTokenizer
+
+    key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    if key in PACKAGED:
+        converted = _converted_dir(key)
+        if (converted / CONVERTED_MARKER).exists():
+            return AutoTokenizer.from_pretrained(converted)
+        gguf = PACKAGED[key].locate()
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(resolve(name_or_path))
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,9 +1,9 @@
 """When a decode step is slow: sentence boundaries from the tokenizer's vocabulary, and policies.
 
 A sentence ender is a token whose text, with whitespace removed, ends in one of
-``. ? ! 。 ？ ！`` (merged forms such as ``.\\n`` count; commas, colons, semicolons and bare newlines
-do not). The slow step runs on the first token of the next sentence: the first input token after
-an ender that is neither an ender nor whitespace-only. A sentence trigger within
+``. ? ! 。 ？ ！`` (merged forms such as ``.\\n`` count; commas, colons, semicolons and bare
+newlines do not). The slow step runs on the first token of the next sentence: the first input
+token after an ender that is neither an ender nor whitespace-only. A sentence trigger within
 ``min_refresh_gap`` steps of the last refresh is ignored; ``refresh_interval`` steps after the
 last refresh a refresh is forced. Fixed-period, seeded random-period and bootstrap-only policies
 exist for ablations.
