@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from sfi.config import SFIConfig
-from sfi.errors import SFIError
+from sfi.errors import PromptError, SFIError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Slow-Fast Inference: fast long-context decoding for transformers models.")
@@ -128,6 +128,8 @@ def generate_cmd(
 ) -> None:
     """Generate a continuation of a prompt with slow-fast decoding (or full attention)."""
     text = _read_prompt(prompt, prompt_file)
+    if not text.strip():
+        raise PromptError("the prompt is empty: give some text to continue")
     config = None
     if mode == "sfi":
         config = build_config(sink=sink, recent=recent, k_head=k_head, k_fraction=k_fraction,

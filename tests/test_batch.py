@@ -1,0 +1,95 @@
+"""A left-padded batch decodes each sequence as if it were alone."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_model
+from helpers import lockstep
+
+import sfi
+from sfi import SFIConfig
+from sfi.cache import SlowFastLayer
+
+CONFIG = dict(sink=3, recent=8, k_head=10, force_sparse=True)
+
+
+def _padded(a: torch.Tensor, b: torch.Tensor):
+    width = max(a.shape[1], b.shape[1])
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for row, seq in enumerate((a, b)):
+        ids[row, width - seq.shape[1]:] = seq[0]
+        mask[row, width - seq.shape[1]:] = 1
+    return ids, mask
+
+
+def test_batched_logits_equal_unbatched_with_different_refresh_steps():
+    model = tiny_model("qwen3")
+    g = torch.Generator().manual_seed(5)
+    long, short = torch.randint(1, 256, (1, 70), generator=g), torch.randint(1, 256, (1, 45),
+                                                                               generator=g)
+    ids, mask = _padded(long, short)
+    config = SFIConfig(**CONFIG, trigger="random", random_period_min=2, random_period_max=6)
+    batch = lockstep(model, ids, config, steps=20, attention_mask=mask)
+    kinds = batch.kinds
+    assert any(k[0] != k[1] for k in kinds), "the rows should refresh at different steps"
+    assert any(k == ["fast", "slow"] or k == ["slow", "fast"] for k in kinds)
+    # each row alone, fed the tokens the batch's full-attention reference chose for it
+    for row, prompt in enumerate((long, short)):
+        config_row = SFIConfig(**CONFIG, trigger="random", random_period_min=2,
+                               random_period_max=6, seed=0)
+        alone = _alone(model, prompt, batch, row, config_row)
+        for step, (a, b) in enumerate(zip(alone, batch.sfi_logits)):
+            torch.testing.assert_close(a[0], b[row], atol=2e-5, rtol=1e-5,
+                                       msg=f"row {row} step {step}")
+
+
+def _alone(model, prompt, batch, row, config):
+    """Decode ``prompt`` alone, feeding the tokens the batch fed to ``row``; its random trigger
+    is seeded like the batch's row ``row``."""
+    from sfi import SlowFastCache
+    from sfi.decode import cache_argument
+    from sfi.triggers import make_trigger
+
+    cache = SlowFastCache(model, config)
+    key = cache_argument(model)
+    out, tokens = [], prompt
+    position = torch.arange(prompt.shape[1])[None]
+    with torch.inference_mode():
+        for step in range(len(batch.sfi_logits)):
+            out.append(model(input_ids=tokens, position_ids=position, use_cache=True,
+                             **{key: cache}).logits[:, -1])
+            if step == 0:
+                cache.sequences[0].trigger = make_trigger(config, None, row)
+            tokens = batch.full_logits[step][row].argmax(-1).view(1, 1)
+            position = position[:, -1:] + 1
+    return out
+
+
+def test_padding_is_never_a_sink_nor_selected():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(6)
+    ids, mask = _padded(torch.randint(1, 256, (1, 60), generator=g),
+                        torch.randint(1, 256, (1, 30), generator=g))
+    run = lockstep(model, ids, SFIConfig(**CONFIG, trigger="fixed", period=4), steps=6,
+                   attention_mask=mask)
+    cache = run.cache
+    pad = cache.sequences[1].pad
+    assert pad == 30
+    for layer in cache.layers:
+        assert isinstance(layer, SlowFastLayer)
+        chosen = cache.selected_positions(layer.layer_idx, 1)
+        assert bool((chosen >= pad + 3).all())
+        sinks = layer.compact_keys[1, :, :3]
+        torch.testing.assert_close(sinks, layer.keys[1, :, pad: pad + 3])
+
+
+def test_generate_batch_equals_each_prompt_alone(tiny_llama_with_tokenizer):
+    model, tok = tiny_llama_with_tokenizer
+    prompts = ["A long first prompt. It goes on! And on? Yes. " * 5, "Short one. Really."]
+    config = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, min_refresh_gap=2)
+    together = sfi.generate(model, tok, prompts, config=config, max_new_tokens=16)
+    for prompt, batched in zip(prompts, together):
+        alone = sfi.generate(model, tok, prompt, config=config, max_new_tokens=16)
+        assert alone.token_ids == batched.token_ids
+        assert alone.stats.to_dict() == batched.stats.to_dict()

@@ -1,0 +1,58 @@
+"""The sfi command, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sfi.cli import build_config
+from sfi.errors import SFIError
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sfi.cli", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.model
+def test_generate_json_schema_both_modes(default_model):  # the fixture converts the model once
+    common = ["generate", "--prompt", "The sea is calm. The sky is blue. Birds", "--json",
+              "--max-new-tokens", "12"]
+    fast = run_cli(*common, "--recent", "4", "--k-head", "4", "--force-sparse",
+                   "--set", "min_refresh_gap=2")
+    assert fast.returncode == 0, fast.stderr
+    out = json.loads(fast.stdout)
+    assert {"text", "new_tokens", "stats", "timing"} <= set(out)
+    assert {"slow_steps", "fast_steps", "refresh_reasons", "fast_read_fraction"} <= set(
+        out["stats"])
+    assert {"prefill_s", "decode_s", "decode_tok_s"} <= set(out["timing"])
+    assert out["new_tokens"] >= 1 and out["stats"]["fast_steps"] >= 1
+    assert out["config"]["min_refresh_gap"] == 2
+    full = json.loads(run_cli(*common, "--mode", "full").stdout)
+    assert full["mode"] == "full" and full["stats"]["fast_steps"] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "hi", "--k-head", "-3"], "k_head must be >= 0"),
+    (["--prompt", "hi", "--k-fraction", "1.5"], "k_fraction must be <= 1.0"),
+    (["--prompt", "hi", "--model", "nope"], "unknown model 'nope'"),
+    ([], "give exactly one of --prompt TEXT or --prompt-file FILE"),
+    (["--prompt", "hi", "--set", "alpha=abc"], "not a valid value"),
+])
+def test_generate_bad_input_exits_with_a_message(args, message):
+    result = run_cli("generate", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_build_config_from_flags():
+    config = build_config(k_fraction=0.2, sink=8, extra=["nms_strength=0", "force_sparse=true"])
+    assert config.k_head is None and config.k_fraction == 0.2 and config.sink == 8
+    assert config.nms_strength == 0.0 and config.force_sparse is True
+    with pytest.raises(SFIError, match="--set expects name=value"):
+        build_config(extra=["nonsense=1"])
