@@ -46,7 +46,7 @@ def lockstep(model, input_ids: torch.Tensor, config: SFIConfig, steps: int,
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     ids = input_ids
     key = cache_argument(model)
-    for step in range(steps + 1):
+    for _step in range(steps + 1):
         kwargs = dict(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
                       use_cache=True)
         a = model(**kwargs, **{key: out.cache}).logits[:, -1]

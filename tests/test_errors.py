@@ -76,7 +76,7 @@ def test_unknown_model_name():
 
 
 def test_a_folder_without_a_model(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="holds no config.json"):
+    with pytest.raises(ModelNotFoundError, match=r"holds no config\.json"):
         sfi.load(str(tmp_path))
 
 

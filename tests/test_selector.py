@@ -116,36 +116,36 @@ def test_lambda_is_clipped_and_zero_when_equal():
 
 def test_soft_nms_keeps_maxima_and_pushes_neighbours():
     cand, _, _ = region(t=12, lo=0, hi=12)
-    l = torch.tensor([[[0.0, 5.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 1.0, 0.0]]])
-    out = soft_nms(l, cand, radius=1, strength=1.0)
+    logs = torch.tensor([[[0.0, 5.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 1.0, 0.0]]])
+    out = soft_nms(logs, cand, radius=1, strength=1.0)
     assert out[0, 0, 1] == 5.0 and out[0, 0, 9] == 3.0  # local maxima unchanged
     assert out[0, 0, 2] == 4.0 - (5.0 - 4.0)
     assert out[0, 0, 10] == 1.0 - (3.0 - 1.0)
     assert out[0, 0, 0] == 0.0 - 5.0
     # a transcription: l'(i) = l(i) - max(0, max_{|j-i|<=r} l(j) - l(i))
     for i in range(12):
-        m = max(l[0, 0, max(0, i - 1): i + 2])
-        assert out[0, 0, i] == l[0, 0, i] - max(0.0, float(m - l[0, 0, i]))
-    torch.testing.assert_close(soft_nms(l, cand, radius=1, strength=0.0), l)
+        m = max(logs[0, 0, max(0, i - 1): i + 2])
+        assert out[0, 0, i] == logs[0, 0, i] - max(0.0, float(m - logs[0, 0, i]))
+    torch.testing.assert_close(soft_nms(logs, cand, radius=1, strength=0.0), logs)
 
 
 def test_soft_nms_ignores_positions_outside_the_region():
     cand, _, _ = region(t=6, lo=2, hi=6)
-    l = torch.tensor([[[9.0, 9.0, 1.0, 0.5, 0.2, 0.1]]])
-    out = soft_nms(l, cand, radius=1)
+    logs = torch.tensor([[[9.0, 9.0, 1.0, 0.5, 0.2, 0.1]]])
+    out = soft_nms(logs, cand, radius=1)
     assert out[0, 0, 2] == 1.0  # the 9s next to it are not candidates
 
 
 def test_exclusivity_discounts_shared_positions():
     cand, _, _ = region(t=2, lo=0, hi=2)
     # position 0 is wanted by all three heads, position 1 only by head 0
-    l = torch.tensor([[[2.0, 2.0], [2.0, -5.0], [2.0, -5.0]]])
-    out = exclusivity(l, cand, temperature=2.0, strength=0.85)
-    rho = torch.softmax(l / 2.0, dim=1)
-    torch.testing.assert_close(out, l + 0.85 * rho.log())
+    logs = torch.tensor([[[2.0, 2.0], [2.0, -5.0], [2.0, -5.0]]])
+    out = exclusivity(logs, cand, temperature=2.0, strength=0.85)
+    rho = torch.softmax(logs / 2.0, dim=1)
+    torch.testing.assert_close(out, logs + 0.85 * rho.log())
     assert out[0, 0, 1] > out[0, 0, 0]  # head 0 now prefers its exclusive position
-    assert torch.equal(exclusivity(l[:, :2], cand), l[:, :2])  # skipped with <= 2 KV heads
-    assert torch.equal(exclusivity(l, cand, strength=0.0), l)
+    assert torch.equal(exclusivity(logs[:, :2], cand), logs[:, :2])  # skipped with <= 2 KV heads
+    assert torch.equal(exclusivity(logs, cand, strength=0.0), logs)
 
 
 def test_top_k_is_sorted_distinct_in_region_and_sized():

