@@ -91,3 +91,25 @@ def test_default_model_generate_full_budget_same_text(default_model):
     assert fast.token_ids == full.token_ids
     assert fast.stats.fast_steps > 0 and fast.stats.slow_steps > 0
     assert fast.stats.fast_read_fraction == pytest.approx(1.0)
+
+
+def test_gemma2_sliding_layers_stay_dense_and_full_layers_match():
+    """Gemma-style models: sliding-window layers keep transformers' own window layer; the full
+    layers go slow-fast, soft-capped logits included."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from sfi.cache import SlowFastLayer
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=256, hidden_size=96, intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=3,
+                          head_dim=16, sliding_window=16, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(3))
+    run = lockstep(model, ids, SFIConfig(**FULL_BUDGET, trigger="fixed", period=4), steps=10)
+    kinds = [type(layer) for layer in run.cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer, SlowFastLayer] * 2
+    assert [k[0] for k in run.kinds].count("fast") >= 6
+    for a, b in zip(run.sfi_logits, run.full_logits):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

@@ -10,12 +10,14 @@ For one layer and one forward pass it follows the cache's :class:`~sfi.cache.Ste
 - ``fast`` sequences: attention over the compact buffer (sink + selected, contiguous) and the
   recent window read in place: O(S + K + R) entries per KV head, whatever the context length.
 
-With any other cache (or a layer that keeps its own sliding window) it is plain SDPA.
+With any other cache (or a layer that keeps its own sliding window) it is plain SDPA (the model's
+eager function where SDPA cannot, e.g. soft-capped logits).
 Shapes: B sequences, Hq query heads, H KV heads, G = Hq / H, T cache length, D head size.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -130,6 +132,18 @@ def _decode_step(layer: SlowFastLayer, plan: StepPlan, query: torch.Tensor, scal
     return out.reshape(b, 1, hq, -1)
 
 
+def dense_fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
+                   ) -> tuple[torch.Tensor, Any]:
+    """Attention as the model would compute it without sfi: SDPA, or the model's own eager
+    function where SDPA cannot (soft-capped logits, as in Gemma 2)."""
+    if kwargs.get("softcap") is not None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
                   scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
@@ -142,13 +156,13 @@ def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     layer = take_active_layer(getattr(module, "layer_idx", -1))
     plan = layer.owner.plan if layer is not None else None
     if plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return dense_fallback(module, query, key, value, attention_mask, dropout=dropout,
+                              scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     if query.shape[2] > 1:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                     scaling=scaling, **kwargs)
+        out = dense_fallback(module, query, key, value, attention_mask, dropout=dropout,
+                             scaling=scaling, **kwargs)
         if plan.slow is not None:
             _select_after_prefill(layer, plan.slow, query, scale, softcap)
         return out

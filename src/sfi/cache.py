@@ -497,8 +497,9 @@ def _build_layers(owner: SlowFastCache, model_config: Any) -> list[CacheLayerMix
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") \
         else model_config
     n_layers = text_config.num_hidden_layers
-    layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * n_layers
     window = getattr(text_config, "sliding_window", None)
+    uniform = "sliding_attention" if window else "full_attention"  # Mistral-style: all sliding
+    layer_types = getattr(text_config, "layer_types", None) or [uniform] * n_layers
     layers: list[CacheLayerMixin] = []
     for idx, kind in enumerate(layer_types):
         if kind == "sliding_attention" and window:
