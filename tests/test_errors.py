@@ -102,3 +102,12 @@ def test_config_must_be_an_sficonfig(tiny_llama_with_tokenizer):
     model, _ = tiny_llama_with_tokenizer
     with pytest.raises(SFIError, match="config must be an SFIConfig"):
         sfi.SlowFastCache(model, {"k_head": 5})
+
+
+def test_a_forward_that_skips_the_planning_hook_is_refused(tiny_llama_with_tokenizer):
+    model, _ = tiny_llama_with_tokenizer
+    cache = sfi.SlowFastCache(model, SFIConfig(trigger="fixed"))
+    ids = torch.ones(1, 5, dtype=torch.long)
+    model(input_ids=ids, past_key_values=cache)
+    with pytest.raises(SFIError, match="not planned for this forward pass"):
+        model.model(input_ids=ids[:, :1], past_key_values=cache)  # the inner model: no hook

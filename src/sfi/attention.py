@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from sfi.cache import SlowFastCache, SlowFastLayer, SlowRows, StepPlan, take_active_layer
-from sfi.errors import UnsupportedModelError
+from sfi.errors import SFIError, UnsupportedModelError
 from sfi.scorers import Evidence
 from sfi.selector import top_k_positions
 
@@ -158,6 +158,10 @@ def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     if plan is None:
         return dense_fallback(module, query, key, value, attention_mask, dropout=dropout,
                               scaling=scaling, **kwargs)
+    if plan.total_length != layer.length:
+        raise SFIError(
+            "this SlowFastCache was not planned for this forward pass: call the model it was "
+            "built with (its forward hook plans each step), not a submodule")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     if query.shape[2] > 1:
