@@ -305,6 +305,25 @@ class SlowFastCache(Cache):
         self._compact_valid: torch.Tensor | None = None  # [B, C] bool
         super().__init__(layers=_build_layers(self, model_config))
 
+    def load_kv(self, keys_values: list[tuple[torch.Tensor, torch.Tensor]],
+                attention_mask: torch.Tensor | None = None) -> None:
+        """Fill an empty cache with already computed KV (a shared prefill, or synthetic KV).
+
+        ``keys_values[i]`` is layer i's ``(keys, values)``, each ``[B, H, T, D]``. The next forward
+        continues the sequences; with several tokens it is dense and, where the context is long
+        enough, makes the first selection from their queries.
+        """
+        if self.get_seq_length() != 0:
+            raise SFIError("load_kv needs an empty SlowFastCache")
+        if len(keys_values) != len(self.layers):
+            raise SFIError(f"load_kv got KV for {len(keys_values)} layers; the model has "
+                           f"{len(self.layers)}")
+        keys = keys_values[0][0]
+        self._start(keys.shape[0], attention_mask, keys.device)
+        for layer, (k, v) in zip(self.layers, keys_values):
+            layer.update(k, v)
+        _active.layer = None
+
     # --- planning -------------------------------------------------------------------------------
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                       batch_size: int, query_length: int, device: torch.device) -> StepPlan:
@@ -347,7 +366,7 @@ class SlowFastCache(Cache):
             dense=self._rows(dense, device),
             slow=self._plan_slow(slow, reasons, total, query_length, device),
             fast=self._plan_fast(fast, total, device),
-            pad_bias=self._pad_bias(total, device),
+            pad_bias=self._pad_bias(total, device) if dense or slow else None,
         )
         return self.plan
 

@@ -190,6 +190,86 @@ def demo_cmd(
                     f"SFI decode speed {speed:.2f}x full attention")
 
 
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SFIError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise SFIError(f"{name} must list positive integers, got {text!r}")
+    return values
+
+
+@app.command("bench")
+def bench_cmd(
+    model: ModelOpt = "default",
+    contexts: Annotated[str, typer.Option(help="context lengths, comma-separated")] =
+        "4096,8192,16384,32768",
+    batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
+    new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
+    modes: Annotated[str, typer.Option(help="full,full-static,sfi,sfi-fast-only")] =
+        "full,full-static,sfi,sfi-fast-only",
+    synthetic_kv: Annotated[bool, typer.Option("--synthetic-kv", help="random KV of the right "
+                                               "shape instead of a prefill (throughput only)")]
+        = False,
+    memory_limit_gb: Annotated[float, typer.Option(help="skip cells whose KV would need more")]
+        = 12.0,
+    sink: SinkOpt = None, recent: RecentOpt = None, k_head: KHeadOpt = None,
+    k_fraction: KFracOpt = None, refresh_interval: IntervalOpt = None,
+    min_refresh_gap: GapOpt = None, evidence_window: WindowOpt = None,
+    trigger: TriggerOpt = None, set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    plot: Annotated[Path | None, typer.Option(help="write tokens/s against context (PNG)")] =
+        None,
+) -> None:
+    """Decode throughput of SFI against full attention and the memory-bandwidth floor."""
+    from sfi.bench.throughput import plot_throughput, run_bench
+
+    context_list = _int_list("--contexts", contexts)
+    batch_list = _int_list("--batch", batch)
+    if new_tokens < 1:
+        raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
+    config = build_config(sink=sink, recent=recent, k_head=k_head, k_fraction=k_fraction,
+                          refresh_interval=refresh_interval, min_refresh_gap=min_refresh_gap,
+                          evidence_window=evidence_window, trigger=trigger, extra=set_)
+    loaded_model, tokenizer = _load(model, as_json)
+    say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    result = run_bench(loaded_model, tokenizer, contexts=context_list, batches=batch_list,
+                       new_tokens=new_tokens, config=config,
+                       modes=[m.strip() for m in modes.split(",") if m.strip()],
+                       synthetic_kv=synthetic_kv, memory_limit=int(memory_limit_gb * 1e9),
+                       progress=say)
+    result["model"] = model
+    if plot is not None:
+        plot_throughput(result, str(plot))
+    if as_json:
+        print(json.dumps(result))
+        return
+    _print_bench(result)
+
+
+def _print_bench(result: dict[str, Any]) -> None:
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+    table = Table(title=f"{result['model']}: decode throughput ({result['bandwidth_gb_s']} GB/s "
+                        "measured memory bandwidth)")
+    columns = {"mode": "mode", "context": "context", "batch": "B", "kv": "KV",
+               "decode_tok_s": "tok/s", "fast_step_ms": "fast ms", "slow_step_ms": "slow ms",
+               "dense_step_ms": "dense ms", "slow_fraction": "slow frac",
+               "floor_ms": "floor ms", "speedup_vs_full": "x full",
+               "speedup_vs_full_static": "x static"}
+    for header in columns.values():
+        table.add_column(header, justify="right", no_wrap=True)
+    for row in result["rows"]:
+        table.add_row(*(fmt(row[c]) for c in columns))
+    console = Console()
+    console.width = max(console.width, 132)
+    console.print(table)
+    for skip in result["skipped"]:
+        err.print(f"skipped context {skip['context']} batch {skip['batch']}: {skip['reason']}")
+
+
 def main() -> None:
     try:
         app()

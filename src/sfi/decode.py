@@ -210,6 +210,7 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
     eos = eos_token_ids(model, tokenizer)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
 
+    padded = not bool(attention_mask.all())
     timing = Timing()
     start = time.perf_counter()
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -239,9 +240,10 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
                     finish[row] = "stop"
         if all(finish) or step == max_new_tokens - 1:
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
+        if padded:  # without padding no mask is needed: no O(context) work per step
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], -1)
         last_pos = last_pos + 1
-        out = model(input_ids=next_ids[:, None], attention_mask=attention_mask,
+        out = model(input_ids=next_ids[:, None], attention_mask=attention_mask if padded else None,
                     position_ids=last_pos, use_cache=True, **{cache_kw: cache})
         next_ids = sample_next(out.logits[:, -1], temperature, top_p, generator)
         timing.decode_steps += 1

@@ -1,0 +1,1 @@
+"""Measurement: throughput against full attention and the bandwidth floor."""
