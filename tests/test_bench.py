@@ -72,7 +72,7 @@ def test_floor_accounting():
     total = sum(p.numel() * 4 for p in model.parameters())
     assert weight_bytes(model) == total - embed  # untied: the embedding table is not streamed
     assert kv_bytes_per_entry(model) == 2 * 2 * 3 * 16 * 4
-    assert estimate_bytes(model, 100, 2) == kv_bytes_per_entry(model) * 100 * 2 * 4
+    assert estimate_bytes(model, 100, 2) == kv_bytes_per_entry(model) * 100 * 2 * 3
 
 
 def test_decode_layout_changes_strides_not_results(smol_tokenizer):

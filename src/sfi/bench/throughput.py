@@ -141,9 +141,10 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def decode_run(model: torch.nn.Module, cache: Any, tail: torch.Tensor, start: int,
-               new_tokens: int) -> list[tuple[float, str]]:
+               new_tokens: int, warmup: int = 2) -> list[tuple[float, str]]:
     """Run the last prompt tokens ``tail [B, W]`` (from position ``start``), then decode greedily;
-    returns ``(seconds, kind)`` per decode step (kind: fast, slow or dense)."""
+    returns ``(seconds, kind)`` per decode step (kind: fast, slow or dense), after ``warmup``
+    untimed steps (first-touch allocations)."""
     key = cache_argument(model)
     device = tail.device
     positions = torch.arange(start, start + tail.shape[1], device=device).expand_as(tail)
@@ -152,7 +153,7 @@ def decode_run(model: torch.nn.Module, cache: Any, tail: torch.Tensor, start: in
     token = out.logits[:, -1:].argmax(-1)
     position = positions[:, -1:] + 1
     steps = []
-    for _ in range(new_tokens):
+    for _ in range(warmup + new_tokens):
         _sync(device)
         begin = time.perf_counter()
         out = model(input_ids=token, position_ids=position, use_cache=True, **{key: cache})
@@ -160,7 +161,7 @@ def decode_run(model: torch.nn.Module, cache: Any, tail: torch.Tensor, start: in
         _sync(device)
         steps.append((time.perf_counter() - begin, _step_kind(cache)))
         position = position + 1
-    return steps
+    return steps[warmup:]
 
 
 def _step_kind(cache: Any) -> str:
@@ -177,8 +178,9 @@ def _median_ms(steps: list[tuple[float, str]], kind: str) -> float | None:
     return round(1000 * statistics.median(times), 3) if times else None
 
 
-def estimate_bytes(model: torch.nn.Module, context: int, batch: int, copies: int = 3) -> int:
-    """Peak memory of one (context, batch) cell: the prefix KV plus ``copies`` caches of it."""
+def estimate_bytes(model: torch.nn.Module, context: int, batch: int, copies: int = 2) -> int:
+    """Peak memory of one (context, batch) cell: the prefix KV plus ``copies`` caches of it
+    (one mode's cache, and the stock cache's concatenation copy)."""
     return kv_bytes_per_entry(model) * context * batch * (1 + copies)
 
 
