@@ -187,7 +187,7 @@ def estimate_bytes(model: torch.nn.Module, context: int, batch: int, copies: int
 def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int],
               batches: Sequence[int], new_tokens: int, config: SFIConfig,
               modes: Sequence[str] = MODES, synthetic_kv: bool = False,
-              memory_limit: int | None = None,
+              memory_limit: int | None = None, warmup: int = 2,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every (mode, context, batch); returns ``{"rows": [...], "skipped": [...], ...}``."""
     unknown = [m for m in modes if m not in MODES]
@@ -195,8 +195,9 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
         raise SFIError(f"unknown bench mode(s) {', '.join(unknown)}; choose from "
                        f"{', '.join(MODES)}")
     limit = context_length(model)
-    if not synthetic_kv and limit is not None and max(contexts) + new_tokens > limit:
-        raise SFIError(f"a context of {max(contexts)} plus {new_tokens} new tokens exceeds the "
+    if not synthetic_kv and limit is not None and max(contexts) + warmup + new_tokens > limit:
+        raise SFIError(f"a context of {max(contexts)} plus {warmup} warm-up and {new_tokens} new "
+                       "tokens exceeds the "
                        f"model's {limit}; use --synthetic-kv for throughput-only sweeps beyond it")
     bandwidth = measure_bandwidth()
     weights = weight_bytes(model)
@@ -206,7 +207,7 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
     skipped: list[dict[str, Any]] = []
     for context in contexts:
         for batch in batches:
-            need = estimate_bytes(model, context + new_tokens, batch)
+            need = estimate_bytes(model, context + warmup + new_tokens, batch)
             if memory_limit is not None and need > memory_limit:
                 skipped.append({"context": context, "batch": batch, "reason":
                                 f"needs about {need / 1e9:.1f} GB of KV, over the "
@@ -222,8 +223,9 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
                 if progress:
                     progress(f"context {context}, batch {batch}: {mode}")
                 cache = _make_cache(mode, model, tokenizer, config, prefix,
-                                    context + new_tokens + 1)
-                steps = decode_run(model, cache, ids[:, -window:], context - window, new_tokens)
+                                    context + warmup + new_tokens + 1)
+                steps = decode_run(model, cache, ids[:, -window:], context - window, new_tokens,
+                                   warmup)
                 sparse = isinstance(cache, SlowFastCache)
                 read = cache.stats().fast_read_fraction if sparse else None
                 entries = config.sink + config.budget(context) + config.recent if sparse \
