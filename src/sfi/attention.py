@@ -27,6 +27,7 @@ from transformers.masking_utils import sdpa_mask
 
 from sfi.cache import SlowFastCache, SlowFastLayer, SlowRows, StepPlan, take_active_layer
 from sfi.errors import SFIError, UnsupportedModelError
+from sfi.rows import Rows
 from sfi.scorers import Evidence
 from sfi.selector import top_k_positions
 
@@ -81,13 +82,25 @@ def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Te
 
 
 def refresh_selection(layer: SlowFastLayer, slow: SlowRows, logits: torch.Tensor) -> None:
-    """Score the middle region from ``logits [n, H, N, T]`` and repack the compact buffer."""
-    evidence = Evidence(logits=logits, key_norms=slow.rows.take(layer.key_norms),
-                        candidates=slow.candidates, lo=slow.lo, hi=slow.hi,
-                        layer_idx=layer.layer_idx)
-    scores = layer.owner.scorer.score(evidence)
-    positions, _ = top_k_positions(scores, slow.candidates, slow.k)
-    layer.write_compact(slow, positions)
+    """Score the middle region from ``logits [n, H, N, T]`` and rebuild the compact buffer.
+
+    The rebuild goes through the cache's rebuilder: inline (committed at once), or on a CUDA
+    side stream (committed when the layer next runs and finds it ready)."""
+    layer.settle(wait=True)  # a newer refresh supersedes a pending one
+    key_norms = slow.rows.take(layer.key_norms)
+
+    def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        evidence = Evidence(logits=logits, key_norms=key_norms, candidates=slow.candidates,
+                            lo=slow.lo, hi=slow.hi, layer_idx=layer.layer_idx)
+        scores = layer.owner.scorer.score(evidence)
+        positions, _ = top_k_positions(scores, slow.candidates, slow.k)
+        keys, values = layer.pack(slow, positions)
+        return keys, values, positions
+
+    inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sink_positions,
+              layer.storage_keys, layer.storage_values]
+    layer.pending = layer.owner.rebuilder.submit(slow.rows, rebuild, inputs)
+    layer.settle()
 
 
 def _select_after_prefill(layer: SlowFastLayer, slow: SlowRows, query: torch.Tensor,
@@ -110,18 +123,26 @@ def _decode_step(layer: SlowFastLayer, plan: StepPlan, query: torch.Tensor, scal
     h = keys.shape[1]
     q = query.reshape(b, h, hq // h, d)
     out = q.new_empty(b, h, hq // h, values.shape[-1])
-    for rows, refresh in ((plan.dense, None), (plan.slow.rows if plan.slow else None, plan.slow)):
-        if not rows:
-            continue
+    rebuilding = layer.settle()  # rows whose compact rebuild is still running read densely
+
+    def dense(rows: Rows, refresh: SlowRows | None = None) -> None:
         bias = rows.take(plan.pad_bias) if plan.pad_bias is not None else None
+        if bias is None and any(seq.pad for seq in layer.owner.sequences):
+            bias = rows.take(layer.owner.pad_bias(keys.shape[-2], keys.device))
         o, logits = dense_attention(rows.take(q), rows.take(keys), rows.take(values), bias, scale,
                                     softcap)
         rows.put(out, o)
         if refresh is not None:
             refresh_selection(layer, refresh, logits)
+
+    if plan.dense:
+        dense(plan.dense)
+    if plan.slow:
+        dense(plan.slow.rows, plan.slow)
     if plan.fast:
         fast, width = plan.fast, layer.owner.compact_capacity
         rows = fast.rows
+        layer.ensure_compact()
         o = fast_attention(rows.take(q),
                            rows.take(layer.compact_keys[:, :, :width]),
                            rows.take(layer.compact_values[:, :, :width]), fast.compact_bias,
@@ -129,6 +150,10 @@ def _decode_step(layer: SlowFastLayer, plan: StepPlan, query: torch.Tensor, scal
                            rows.take(values[:, :, fast.read_start:]), fast.recent_bias,
                            scale, softcap)
         rows.put(out, o)
+        if rebuilding is not None:
+            lagging = rows.intersect(rebuilding)
+            if lagging:
+                dense(lagging)
     return out.reshape(b, 1, hq, -1)
 
 

@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from sfi.config import SFIConfig
 from sfi.errors import SFIError, UnsupportedModelError
+from sfi.overlap import Rebuilder, StagedCompact, make_rebuilder
 from sfi.rows import Rows
 from sfi.scorers import Scorer
 from sfi.selector import SFISelector
@@ -147,6 +148,7 @@ class SlowFastLayer(CacheLayerMixin):
         self.compact_keys: torch.Tensor | None = None
         self.compact_values: torch.Tensor | None = None
         self.selected_positions: torch.Tensor | None = None
+        self.pending: StagedCompact | None = None
 
     # --- the CacheLayerMixin interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -187,6 +189,7 @@ class SlowFastLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.length = 0
         self.compact_keys = self.compact_values = self.selected_positions = None
+        self.pending = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise SFIError("SlowFastCache cannot be cropped (assisted or speculative decoding is not "
@@ -226,6 +229,15 @@ class SlowFastLayer(CacheLayerMixin):
         return self._norms[:, :, : self.length]
 
     @property
+    def storage_keys(self) -> torch.Tensor:
+        """The whole preallocated key storage ``[B, H, capacity, D]``."""
+        return self._keys
+
+    @property
+    def storage_values(self) -> torch.Tensor:
+        return self._values
+
+    @property
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[-2]
 
@@ -238,21 +250,41 @@ class SlowFastLayer(CacheLayerMixin):
             setattr(self, name, new)
 
     # --- the compact buffer --------------------------------------------------------------------
-    def write_compact(self, slow: SlowRows, selected: torch.Tensor) -> None:
-        """Pack sink + ``selected`` ``[n, H, k]`` entries of the ``slow`` rows contiguously."""
-        b, h, _, d = self._keys.shape
-        capacity = self.owner.compact_capacity
-        if self.compact_keys is None or self.compact_keys.shape[-2] < capacity:
-            self._grow_compact(b, h, d, capacity)
-        n = len(slow.rows)
+    def pack(self, slow: SlowRows, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather sink + ``selected`` ``[n, H, k]`` entries of the ``slow`` rows:
+        ``(keys, values)``, each ``[n, H, S + k, D]``."""
+        n, h = len(slow.rows), self._keys.shape[1]
         sinks = slow.sink_positions[:, None, :].expand(n, h, -1)
         positions = torch.cat([sinks, selected], dim=-1)  # [n, H, S + k]
         row_index = slow.rows.index[:, None, None]
         head_index = torch.arange(h, device=self.device)[None, :, None]
-        width = positions.shape[-1]
-        for buffer, store in ((self.compact_keys, self._keys), (self.compact_values, self._values)):
-            slow.rows.put(buffer[:, :, :width], store[row_index, head_index, positions])
-        slow.rows.put(self.selected_positions[:, :, : selected.shape[-1]], selected)
+        return (self._keys[row_index, head_index, positions],
+                self._values[row_index, head_index, positions])
+
+    def settle(self, wait: bool = False) -> Rows | None:
+        """Commit a pending rebuild that is ready (or, with ``wait``, once it is); return the
+        rows whose rebuild is still running, which must read densely for now."""
+        staged = self.pending
+        if staged is None:
+            return None
+        if not (wait or staged.ready()):
+            return staged.rows
+        staged.wait()
+        self.ensure_compact()
+        width = staged.keys.shape[-2]
+        staged.rows.put(self.compact_keys[:, :, :width], staged.keys)
+        staged.rows.put(self.compact_values[:, :, :width], staged.values)
+        staged.rows.put(self.selected_positions[:, :, : staged.selected.shape[-1]],
+                        staged.selected)
+        self.pending = None
+        return None
+
+    def ensure_compact(self) -> None:
+        """Allocate or grow the compact buffer to the cache's current capacity."""
+        b, h, _, d = self._keys.shape
+        capacity = self.owner.compact_capacity
+        if self.compact_keys is None or self.compact_keys.shape[-2] < capacity:
+            self._grow_compact(b, h, d, capacity)
 
     def _grow_compact(self, b: int, h: int, d: int, capacity: int) -> None:
         old_k, old_v, old_p = self.compact_keys, self.compact_values, self.selected_positions
@@ -302,6 +334,7 @@ class SlowFastCache(Cache):
         self.compact_capacity = self.config.sink
         self.sequences: list[SequenceState] = []
         self.plan: StepPlan | None = None
+        self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._compact_valid: torch.Tensor | None = None  # [B, C] bool
         super().__init__(layers=_build_layers(self, model_config))
 
@@ -366,7 +399,7 @@ class SlowFastCache(Cache):
             dense=self._rows(dense, device),
             slow=self._plan_slow(slow, reasons, total, query_length, device),
             fast=self._plan_fast(fast, total, device),
-            pad_bias=self._pad_bias(total, device) if dense or slow else None,
+            pad_bias=self.pad_bias(total, device) if dense or slow else None,
         )
         return self.plan
 
@@ -390,6 +423,8 @@ class SlowFastCache(Cache):
         self.compact_capacity = self.config.sink
         self._compact_valid = torch.zeros(batch_size, self.config.sink, dtype=torch.bool,
                                           device=device)
+        if self.rebuilder is None:
+            self.rebuilder = make_rebuilder(device, self.config.overlap_selection)
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:
         return Rows(tuple(indices), len(self.sequences), device)
@@ -459,7 +494,8 @@ class SlowFastCache(Cache):
         compact_bias = _bias(subset.take(self._compact_valid))[:, None, None, :]
         return FastRows(subset, read_start, recent_bias, compact_bias)
 
-    def _pad_bias(self, total: int, device: torch.device) -> torch.Tensor | None:
+    def pad_bias(self, total: int, device: torch.device) -> torch.Tensor | None:
+        """``[B, 1, 1, T]``: -inf on each sequence's left padding; None when none is padded."""
         pads = [seq.pad for seq in self.sequences]
         if not any(pads):
             return None

@@ -47,7 +47,8 @@ class SFIConfig:
     Memory of a fast step, per (layer, KV head): ``sink`` first tokens, ``K`` selected tokens
     from the middle region, and the ``recent`` last tokens (plus every token generated since the
     last refresh). K is ``k_head`` tokens, or ``k_fraction`` of the context when that is given
-    (then ``k_head`` must be left at None).
+    (then ``k_head`` must be left at None). ``overlap_selection`` runs the Selector and the
+    compact rebuild on a CUDA side stream (METHOD.md section 4); it has no effect on CPU.
     """
 
     # --- memory of a fast step (METHOD.md section 2) ---
@@ -57,6 +58,7 @@ class SFIConfig:
     k_fraction: float | None = None
     evidence_window: int = 16
     force_sparse: bool = False
+    overlap_selection: bool = True
 
     # --- slow-step triggers ---
     trigger: TriggerPolicy = "sentence"
@@ -99,8 +101,9 @@ class SFIConfig:
         if self.k_fraction is not None:
             _require_float("k_fraction", self.k_fraction, 0.0, 1.0, low_open=True)
         _require_int("evidence_window", self.evidence_window, 1)
-        if not isinstance(self.force_sparse, bool):
-            raise SFIConfigError(f"force_sparse must be True or False, got {self.force_sparse!r}")
+        for name in ("force_sparse", "overlap_selection"):
+            if not isinstance(getattr(self, name), bool):
+                raise SFIConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.trigger not in TRIGGER_POLICIES:
             raise SFIConfigError(
                 f"trigger must be one of {', '.join(TRIGGER_POLICIES)}; got {self.trigger!r}"

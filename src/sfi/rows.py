@@ -35,6 +35,11 @@ class Rows:
         """``[n]`` long tensor of the row indices on the batch's device."""
         return torch.tensor(self.indices, dtype=torch.long, device=self.device)
 
+    def intersect(self, other: Rows) -> Rows:
+        """The rows in both subsets."""
+        common = tuple(sorted(set(self.indices) & set(other.indices)))
+        return Rows(common, self.batch_size, self.device)
+
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """Rows of ``t`` (batch first): ``t`` itself, a view, or a gathered copy."""
         if self.is_all:

@@ -1,0 +1,61 @@
+"""A compact rebuild that is not ready yet: its rows read densely, then switch when it lands.
+
+This exercises, on CPU, the mechanism the CUDA side stream uses (METHOD.md section 4)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_model
+
+from sfi import SFIConfig, SlowFastCache
+from sfi.decode import cache_argument
+from sfi.overlap import InlineRebuilder, StagedCompact, make_rebuilder
+
+
+class DeferredRebuilder:
+    """Computes a rebuild at once but reports it unfinished until ``release()``."""
+
+    def __init__(self) -> None:
+        self.released = False
+        self.submitted = 0
+
+    def release(self) -> None:
+        self.released = True
+
+    def submit(self, rows, rebuild, inputs) -> StagedCompact:
+        self.submitted += 1
+        keys, values, selected = rebuild()
+        return StagedCompact(rows, keys, values, selected, lambda: self.released, lambda: None)
+
+
+def test_rows_read_densely_until_their_rebuild_is_ready():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(0))
+    config = SFIConfig(sink=2, recent=6, k_head=6, force_sparse=True, trigger="bootstrap")
+    sparse = SlowFastCache(model, config)
+    deferred = DeferredRebuilder()
+    sparse.rebuilder = deferred
+    reference = SlowFastCache(model, SFIConfig(**{**config.to_dict(), "k_head": 1000}))
+    key = cache_argument(model)
+    tokens, diffs = ids, []
+    with torch.inference_mode():
+        for step in range(6):
+            if step == 3:
+                deferred.release()
+            a = model(input_ids=tokens, use_cache=True, **{key: sparse}).logits[:, -1]
+            b = model(input_ids=tokens, use_cache=True, **{key: reference}).logits[:, -1]
+            diffs.append(float((a - b).abs().max()))
+            tokens = b.argmax(-1, keepdim=True)
+            if step >= 1:
+                assert sparse.plan.fast is not None and sparse.plan.fast.rows.is_all
+    assert deferred.submitted == 2  # the first selection of two layers, after prefill
+    # fast steps 1-2: the selection is still "running", so they read densely = full attention
+    assert diffs[1] < 1e-5 and diffs[2] < 1e-5
+    # from step 3 on the rebuild has landed: the small memory is read, and it differs
+    assert min(diffs[3:]) > 1e-3
+    for layer in sparse.layers:
+        assert layer.pending is None and layer.selected_positions is not None
+
+
+def test_inline_on_cpu():
+    assert isinstance(make_rebuilder(torch.device("cpu"), overlap=True), InlineRebuilder)
