@@ -57,6 +57,8 @@ class SequenceState:
 
     pad: int
     trigger: RefreshTrigger
+    config: SFIConfig
+    dense_only: bool = False
     stats: DecodeStats = field(default_factory=DecodeStats)
     steps_since_refresh: int = 0
     has_selection: bool = False
@@ -279,6 +281,53 @@ class SlowFastLayer(CacheLayerMixin):
         self.pending = None
         return None
 
+    def absorb(self, other: SlowFastLayer, length: int, shifts: tuple[int, int],
+               compact_capacity: int) -> None:
+        """Stack ``other``'s sequences under this layer's, both right-aligned at ``length``."""
+        self.settle(wait=True)
+        other.settle(wait=True)
+        capacity = max(self.capacity, other.capacity, length + 16)
+        parts = ((self, shifts[0]), (other, shifts[1]))
+        for name in ("_keys", "_values", "_norms"):
+            stacked = []
+            for layer, shift in parts:
+                old = getattr(layer, name)
+                new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
+                new[:, :, shift:length] = old[:, :, : layer.length]
+                stacked.append(new)
+            setattr(self, name, torch.cat(stacked))
+        for layer, _ in parts:
+            layer.ensure_compact()
+        sink = self.owner.config.sink
+        buffers = []
+        for name in ("compact_keys", "compact_values", "selected_positions"):
+            stacked = []
+            for layer, shift in parts:
+                old = getattr(layer, name)
+                width = compact_capacity - (sink if name == "selected_positions" else 0)
+                new = old.new_zeros(old.shape[0], old.shape[1], width, *old.shape[3:])
+                new[:, :, : old.shape[2]] = old + shift if name == "selected_positions" else old
+                stacked.append(new)
+            buffers.append(torch.cat(stacked))
+        self.compact_keys, self.compact_values, self.selected_positions = buffers
+        self.length = length
+
+    def keep(self, index: torch.Tensor, trim: int) -> None:
+        """Keep the sequences ``index`` and drop the first ``trim`` positions (padding)."""
+        self.settle(wait=True)
+        for name in ("_keys", "_values", "_norms", "compact_keys", "compact_values",
+                     "selected_positions"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, index))
+        if trim:
+            for name in ("_keys", "_values", "_norms"):
+                tensor = getattr(self, name)
+                tensor[:, :, : self.length - trim] = tensor[:, :, trim: self.length].clone()
+            if self.selected_positions is not None:
+                self.selected_positions -= trim
+            self.length -= trim
+
     def ensure_compact(self) -> None:
         """Allocate or grow the compact buffer to the cache's current capacity."""
         b, h, _, d = self._keys.shape
@@ -315,11 +364,13 @@ class SlowFastCache(Cache):
             model's folder when omitted.
         scorer: what ranks positions at slow steps; defaults to the SFI Selector.
         max_cache_len: optional capacity hint (prompt + new tokens) to avoid regrowth.
+        dense_only: decode these sequences with full attention (every step dense), so that they
+            can share a batch (see :meth:`merge`) with slow-fast sequences.
     """
 
     def __init__(self, model: torch.nn.Module, config: SFIConfig | None = None,
                  tokenizer: Any = None, scorer: Scorer | None = None,
-                 max_cache_len: int | None = None):
+                 max_cache_len: int | None = None, dense_only: bool = False):
         from sfi.attention import route_model  # the attention module imports this one
 
         self.config = config if config is not None else SFIConfig()
@@ -331,6 +382,7 @@ class SlowFastCache(Cache):
         if self.config.trigger == "sentence":
             self.token_classes = token_classes(_resolve_tokenizer(model, tokenizer))
         self.initial_capacity = int(max_cache_len) if max_cache_len else 256
+        self.dense_only = dense_only
         self.compact_capacity = self.config.sink
         self.sequences: list[SequenceState] = []
         self.plan: StepPlan | None = None
@@ -372,7 +424,7 @@ class SlowFastCache(Cache):
         dense, slow, fast, reasons = [], [], [], []
         for row, seq in enumerate(self.sequences):
             context = total - seq.pad
-            pays = self.config.sparse_pays(context)
+            pays = not seq.dense_only and seq.config.sparse_pays(context)
             if query_length > 1 or past == 0:
                 if pays:
                     slow.append(row)
@@ -417,7 +469,8 @@ class SlowFastCache(Cache):
             if any(p == mask.shape[-1] for p in pads):
                 raise SFIError("a sequence of the batch is all padding (empty prompt)")
         self.sequences = [
-            SequenceState(pad=int(p), trigger=make_trigger(self.config, self.token_classes, row))
+            SequenceState(pad=int(p), trigger=make_trigger(self.config, self.token_classes, row),
+                          config=self.config, dense_only=self.dense_only)
             for row, p in enumerate(pads)
         ]
         self.compact_capacity = self.config.sink
@@ -438,9 +491,9 @@ class SlowFastCache(Cache):
         los, his, ks, sinks = [], [], [], []
         for row, reason in zip(rows, reasons):
             seq = self.sequences[row]
-            recent_start = max(total - cfg.recent, seq.pad)
+            recent_start = max(total - seq.config.recent, seq.pad)
             sink_end = min(seq.pad + cfg.sink, recent_start)
-            k = min(cfg.budget(total - seq.pad), recent_start - sink_end)
+            k = min(seq.config.budget(total - seq.pad), recent_start - sink_end)
             seq.has_selection, seq.recent_start = True, recent_start
             seq.sink_count, seq.selected_count = sink_end - seq.pad, k
             seq.steps_since_refresh = 0
@@ -509,6 +562,54 @@ class SlowFastCache(Cache):
         grown = torch.zeros(len(self.sequences), needed, dtype=torch.bool, device=device)
         grown[:, : self.compact_capacity] = self._compact_valid
         self._compact_valid, self.compact_capacity = grown, needed
+
+    # --- continuous batching --------------------------------------------------------------------
+    def merge(self, other: SlowFastCache) -> None:
+        """Append the sequences of ``other`` (prefilled, same model) to this batch.
+
+        Both batches are right-aligned at the longer length: the shorter one's sequences get
+        more left padding (their keys keep the positions they were computed at). Each sequence
+        keeps its own configuration, trigger, selection and counters. Costs one copy of both
+        caches, once per join.
+        """
+        if other is self or not other.sequences or not self.sequences:
+            raise SFIError("merge needs two distinct, prefilled SlowFastCaches")
+        if other.config.sink != self.config.sink or len(other.layers) != len(self.layers):
+            raise SFIError("merge needs caches of the same model with the same sink size")
+        length = max(self.get_seq_length(), other.get_seq_length())
+        shifts = (length - self.get_seq_length(), length - other.get_seq_length())
+        capacity = max(self.compact_capacity, other.compact_capacity)
+        for mine, theirs in zip(self.layers, other.layers):
+            if not (isinstance(mine, SlowFastLayer) and isinstance(theirs, SlowFastLayer)):
+                raise SFIError("merge supports models whose layers are all full attention")
+            mine.absorb(theirs, length, shifts, capacity)
+        valid = torch.zeros(len(self.sequences) + len(other.sequences), capacity,
+                            dtype=torch.bool, device=self._compact_valid.device)
+        valid[: len(self.sequences), : self.compact_capacity] = self._compact_valid
+        valid[len(self.sequences):, : other.compact_capacity] = other._compact_valid
+        for seqs, shift in ((self.sequences, shifts[0]), (other.sequences, shifts[1])):
+            for seq in seqs:
+                seq.pad += shift
+                seq.recent_start += shift
+        self.sequences = self.sequences + other.sequences
+        self._compact_valid, self.compact_capacity, self.plan = valid, capacity, None
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only the sequences ``rows`` (in that order), e.g. when others finish; the left
+        padding that every remaining sequence has is then trimmed."""
+        if not rows:
+            self.reset()
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self._compact_valid.device)
+        self.sequences = [self.sequences[r] for r in rows]
+        trim = min(seq.pad for seq in self.sequences)
+        for layer in self.layers:
+            layer.keep(index, trim)
+        for seq in self.sequences:
+            seq.pad -= trim
+            seq.recent_start -= trim
+        self._compact_valid = self._compact_valid.index_select(0, index)
+        self.plan = None
 
     # --- reporting ------------------------------------------------------------------------------
     def stats(self, row: int | None = None) -> DecodeStats:

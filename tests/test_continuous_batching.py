@@ -1,0 +1,93 @@
+"""Sequences join a running batch after their own prefill and leave when done (merge/keep)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_model
+
+from sfi import SFIConfig, SlowFastCache
+from sfi.decode import cache_argument
+
+CONFIG = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed", period=3)
+
+
+def _step(model, cache, tokens, positions):
+    key = cache_argument(model)
+    return model(input_ids=tokens, position_ids=positions, use_cache=True,
+                 **{key: cache}).logits[:, -1]
+
+
+def _alone(model, prompt, steps, config=CONFIG, dense_only=False):
+    """Logits of ``prompt`` decoded alone, greedily, for ``steps`` steps after prefill."""
+    cache = SlowFastCache(model, config, dense_only=dense_only)
+    out, tokens = [], prompt
+    positions = torch.arange(prompt.shape[1])[None]
+    for _ in range(steps + 1):
+        logits = _step(model, cache, tokens, positions)
+        out.append(logits[0])
+        tokens, positions = logits.argmax(-1, keepdim=True), positions[:, -1:] + 1
+    return out
+
+
+@torch.inference_mode()
+def test_join_and_leave_give_each_sequence_its_lone_logits():
+    model = tiny_model("qwen2")
+    g = torch.Generator().manual_seed(7)
+    first, second = torch.randint(1, 256, (1, 50), generator=g), torch.randint(1, 256, (1, 30),
+                                                                                 generator=g)
+    alone_first = _alone(model, first, 12)
+    alone_second = _alone(model, second, 6, dense_only=True)
+
+    batch = SlowFastCache(model, CONFIG)
+    logits = _step(model, batch, first, torch.arange(50)[None])
+    torch.testing.assert_close(logits[0], alone_first[0])
+    tokens, positions = logits.argmax(-1, keepdim=True), torch.tensor([[50]])
+    for step in range(1, 4):  # the first sequence decodes alone for three steps
+        logits = _step(model, batch, tokens, positions)
+        torch.testing.assert_close(logits[0], alone_first[step], atol=2e-5, rtol=1e-5)
+        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+
+    joiner = SlowFastCache(model, CONFIG, dense_only=True)  # a full-attention request
+    joined = _step(model, joiner, second, torch.arange(30)[None])
+    torch.testing.assert_close(joined[0], alone_second[0])
+    batch.merge(joiner)
+    assert [seq.pad for seq in batch.sequences] == [0, 53 - 30]
+    tokens = torch.cat([tokens, joined.argmax(-1, keepdim=True)])
+    positions = torch.cat([positions, torch.tensor([[30]])])
+    for step in range(1, 7):  # both decode together
+        logits = _step(model, batch, tokens, positions)
+        torch.testing.assert_close(logits[0], alone_first[step + 3], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[1], alone_second[step], atol=2e-5, rtol=1e-5)
+        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+    assert batch.stats(1).dense_steps == 6 and batch.stats(1).fast_steps == 0
+    assert batch.stats(0).fast_steps > 0
+
+    batch.keep([0])  # the second leaves: the first goes on alone, nothing recomputed
+    assert [seq.pad for seq in batch.sequences] == [0]
+    tokens, positions = tokens[:1], positions[:1]
+    for step in range(10, 13):
+        logits = _step(model, batch, tokens, positions)
+        torch.testing.assert_close(logits[0], alone_first[step], atol=2e-5, rtol=1e-5)
+        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+
+
+@torch.inference_mode()
+def test_leaving_trims_shared_padding():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(8)
+    long, short = torch.randint(1, 256, (1, 40), generator=g), torch.randint(1, 256, (1, 12),
+                                                                               generator=g)
+    alone_short = _alone(model, short, 4)
+    batch = SlowFastCache(model, CONFIG)
+    a = _step(model, batch, long, torch.arange(40)[None])
+    other = SlowFastCache(model, CONFIG)
+    b = _step(model, other, short, torch.arange(12)[None])
+    batch.merge(other)
+    batch.keep([1])  # the long one leaves; the short one's 28 pads are trimmed
+    assert batch.get_seq_length() == 12 and batch.sequences[0].pad == 0
+    tokens, positions = b.argmax(-1, keepdim=True), torch.tensor([[12]])
+    del a
+    for step in range(1, 5):
+        logits = _step(model, batch, tokens, positions)
+        torch.testing.assert_close(logits[0], alone_short[step], atol=2e-5, rtol=1e-5)
+        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
