@@ -56,3 +56,9 @@ def test_build_config_from_flags():
     assert config.nms_strength == 0.0 and config.force_sparse is True
     with pytest.raises(SFIError, match="--set expects name=value"):
         build_config(extra=["nonsense=1"])
+
+
+def test_loadtest_refuses_non_loopback_targets():
+    result = run_cli("loadtest", "--url", "http://10.1.2.3:8000", "--duration", "1")
+    assert result.returncode == 2
+    assert "loopback addresses only" in result.stderr

@@ -270,6 +270,76 @@ def _print_bench(result: dict[str, Any]) -> None:
         err.print(f"skipped context {skip['context']} batch {skip['batch']}: {skip['reason']}")
 
 
+@app.command("serve")
+def serve_cmd(
+    model: ModelOpt = "default",
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
+    max_batch: Annotated[int, typer.Option(help="sequences decoded together at most")] = 8,
+    max_queue: Annotated[int, typer.Option(help="waiting requests before 429")] = 64,
+    sink: SinkOpt = None, recent: RecentOpt = None, k_head: KHeadOpt = None,
+    k_fraction: KFracOpt = None, refresh_interval: IntervalOpt = None,
+    min_refresh_gap: GapOpt = None, evidence_window: WindowOpt = None,
+    trigger: TriggerOpt = None, set_: SetOpt = None,
+) -> None:
+    """An OpenAI-compatible server with continuous batching over slow-fast decoding."""
+    import uvicorn
+
+    from sfi.decode import context_length
+    from sfi.server.app import create_app
+    from sfi.server.engine import Engine
+
+    if max_batch < 1 or max_queue < 0:
+        raise SFIError(f"--max-batch must be >= 1 and --max-queue >= 0 (got {max_batch}, "
+                       f"{max_queue})")
+    config = build_config(sink=sink, recent=recent, k_head=k_head, k_fraction=k_fraction,
+                          refresh_interval=refresh_interval, min_refresh_gap=min_refresh_gap,
+                          evidence_window=evidence_window, trigger=trigger, extra=set_)
+    loaded_model, tokenizer = _load(model, False)
+    engine = Engine(loaded_model, tokenizer, config, max_batch=max_batch, max_queue=max_queue)
+    engine.start()
+    try:
+        uvicorn.run(create_app(engine, model, context_length(loaded_model)), host=host,
+                    port=port, log_level="info")
+    finally:
+        engine.stop()
+
+
+@app.command("loadtest")
+def loadtest_cmd(
+    url: Annotated[str, typer.Option(help="a running sfi serve (loopback)")] =
+        "http://127.0.0.1:8000",
+    clients: Annotated[int, typer.Option(help="concurrent streaming clients")] = 4,
+    duration: Annotated[float, typer.Option(help="seconds to keep sending")] = 60.0,
+    max_tokens: Annotated[int, typer.Option(help="tokens per request")] = 64,
+    mode: Annotated[str, typer.Option(help="sfi | full")] = "sfi",
+    prompt_chars: Annotated[int, typer.Option(help="prompt length in characters")] = 4000,
+    model: Annotated[str, typer.Option(help="model name to send")] = "default",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """N concurrent streaming clients against a running server, for a bounded time."""
+    from urllib.parse import urlparse
+
+    from sfi.bench.loadtest import run_loadtest
+
+    host = urlparse(url).hostname or ""
+    if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
+        raise SFIError(f"loadtest sends traffic to loopback addresses only, not {host!r}")
+    if clients < 1 or duration <= 0 or max_tokens < 1 or mode not in ("sfi", "full"):
+        raise SFIError("--clients and --max-tokens must be >= 1, --duration > 0, --mode sfi|full")
+    result = run_loadtest(url, clients, duration, max_tokens, mode, prompt_chars, model)
+    if as_json:
+        print(json.dumps(result))
+        return
+    keys = ("requests", "errors", "requests_per_s", "tokens_per_s", "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_peak_rss_mb")
+    table = Table(title=f"loadtest: {clients} clients, mode {mode}, {duration:g} s")
+    for key in keys:
+        table.add_column(key.replace("_", " "), justify="right")
+    table.add_row(*(str(result[k]) for k in keys))
+    Console().print(table)
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: continuous batching engine and FastAPI app."""
