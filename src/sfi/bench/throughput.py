@@ -30,6 +30,7 @@ from sfi.cache import SlowFastCache
 from sfi.config import SFIConfig
 from sfi.decode import cache_argument, context_length
 from sfi.errors import SFIError
+from sfi.prefix import load_prefix, prefix_kv
 
 MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only")
 
@@ -99,24 +100,6 @@ def benchmark_ids(tokenizer: Any, context: int, batch: int) -> torch.Tensor:
     return torch.tensor([ids[b * stride: b * stride + context] for b in range(batch)])
 
 
-@torch.inference_mode()
-def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """KV of ``ids`` for every layer: a real prefill, or random tensors of the right shape."""
-    cfg = model.config.get_text_config()
-    if synthetic:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        param = next(model.parameters())
-        shape = (ids.shape[0], cfg.num_key_value_heads, ids.shape[1], head_dim)
-        gen = torch.Generator(device=param.device).manual_seed(0)
-        return [(torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype),
-                 torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype))
-                for _ in range(cfg.num_hidden_layers)]
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 def _make_cache(mode: str, model: torch.nn.Module, tokenizer: Any, config: SFIConfig,
                 prefix: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> Any:
     if mode == "full":
@@ -127,10 +110,7 @@ def _make_cache(mode: str, model: torch.nn.Module, tokenizer: Any, config: SFICo
         if mode == "sfi-fast-only":
             config = SFIConfig(**{**config.to_dict(), "trigger": "bootstrap"})
         cache = SlowFastCache(model, config, tokenizer=tokenizer, max_cache_len=capacity)
-        cache.load_kv(prefix)
-        return cache
-    for idx, (k, v) in enumerate(prefix):
-        cache.update(k.clone(), v.clone(), idx)
+    load_prefix(cache, prefix)
     return cache
 
 

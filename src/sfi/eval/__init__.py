@@ -1,0 +1,1 @@
+"""Quality measurements: fidelity to full attention (more tasks to come, see issue 4)."""

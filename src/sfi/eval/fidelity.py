@@ -1,0 +1,107 @@
+"""Teacher-forced fidelity to full attention.
+
+A long real text is the context; its next tokens are fed one by one through each method's
+decoding (so sentence triggers fire on the real tokens), and every step's next-token
+distribution is compared with full attention's: KL(full || method), top-1 agreement, and the
+perplexity of the real continuation under each. The context is prefilled once and shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from sfi.cache import SlowFastCache
+from sfi.config import SFIConfig
+from sfi.decode import cache_argument
+from sfi.errors import SFIError
+from sfi.prefix import KV, load_prefix, prefix_kv
+
+
+@dataclass
+class FidelityResult:
+    """One method's agreement with full attention over a teacher-forced continuation."""
+
+    method: str
+    context: int
+    tokens: int
+    kl_mean: float
+    kl_max: float
+    top1: float
+    ppl: float
+    ppl_full: float
+    retention: float
+    slow_steps: list[int] = field(default_factory=list)
+    kl_per_step: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def _teacher_forced_logits(model: torch.nn.Module, cache: Any, prefix: KV, ids: torch.Tensor,
+                           context: int, window: int) -> tuple[torch.Tensor, list[int]]:
+    """``[N, V]`` logits predicting ``ids[context : context + N]``, and the slow steps."""
+    load_prefix(cache, prefix)
+    key = cache_argument(model)
+    device = ids.device
+    steps = ids.shape[1] - context
+    positions = torch.arange(context - window, context, device=device)[None]
+    out = model(input_ids=ids[:, context - window: context], position_ids=positions,
+                use_cache=True, logits_to_keep=1, **{key: cache})
+    logits, slow = [out.logits[:, -1]], []
+    for step in range(1, steps):
+        token = ids[:, context + step - 1: context + step]
+        out = model(input_ids=token, position_ids=torch.tensor([[context + step - 1]],
+                                                               device=device),
+                    use_cache=True, **{key: cache})
+        logits.append(out.logits[:, -1])
+        if isinstance(cache, SlowFastCache) and cache.plan.slow is not None:
+            slow.append(step)
+    return torch.cat(logits).float(), slow
+
+
+def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: int,
+                            methods: dict[str, SFIConfig], tokenizer: Any = None,
+                            window: int = 16) -> list[FidelityResult]:
+    """Compare each SFI configuration in ``methods`` with full attention.
+
+    Args:
+        model: a routed causal LM (``sfi.load``).
+        ids: ``[1, context + N]`` real token ids: the context, then the continuation.
+        context: how many of ``ids`` are context.
+        methods: name -> SFIConfig.
+        window: the last context tokens run as one forward after the shared prefill (SFI's first
+            selection sees their queries, as after a normal prefill).
+    """
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise SFIError("ids must be one sequence, shaped [1, context + continuation]")
+    steps = ids.shape[1] - context
+    if steps < 1 or context <= window:
+        raise SFIError(f"need a context longer than {window} tokens and a continuation; got "
+                       f"context {context} of {ids.shape[1]} tokens")
+    prefix = prefix_kv(model, ids[:, : context - window], synthetic=False)
+    target = ids[0, context:]
+    full, _ = _teacher_forced_logits(model, DynamicCache(config=model.config), prefix, ids,
+                                     context, window)
+    log_full = F.log_softmax(full, dim=-1)
+    ppl_full = float(torch.exp(-log_full[torch.arange(steps), target].mean()))
+    results = []
+    for name, config in methods.items():
+        cache = SlowFastCache(model, config, tokenizer=tokenizer)
+        logits, slow = _teacher_forced_logits(model, cache, prefix, ids, context, window)
+        log_method = F.log_softmax(logits, dim=-1)
+        kl = (log_full.exp() * (log_full - log_method)).sum(dim=-1)
+        stats = cache.stats()
+        results.append(FidelityResult(
+            method=name, context=context, tokens=steps, kl_mean=float(kl.mean()),
+            kl_max=float(kl.max()),
+            top1=float((full.argmax(-1) == logits.argmax(-1)).float().mean()),
+            ppl=float(torch.exp(-log_method[torch.arange(steps), target].mean())),
+            ppl_full=ppl_full, retention=stats.fast_read_fraction, slow_steps=slow,
+            kl_per_step=[round(float(v), 6) for v in kl]))
+    return results

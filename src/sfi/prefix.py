@@ -1,0 +1,41 @@
+"""A prompt's KV computed once and continued by several caches (benchmarks, evaluations)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from sfi.cache import SlowFastCache
+from sfi.decode import cache_argument
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.inference_mode()
+def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """KV of ``ids`` for every layer: a real prefill, or random tensors of the right shape."""
+    cfg = model.config.get_text_config()
+    if synthetic:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        shape = (ids.shape[0], cfg.num_key_value_heads, ids.shape[1], head_dim)
+        gen = torch.Generator(device=param.device).manual_seed(0)
+        return [(torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype),
+                 torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype))
+                for _ in range(cfg.num_hidden_layers)]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def load_prefix(cache: Any, prefix: KV) -> None:
+    """Fill an empty cache (SlowFastCache or any transformers cache) with ``prefix``, copied,
+    so that several caches can continue the same prefill."""
+    if isinstance(cache, SlowFastCache):
+        cache.load_kv(prefix)
+        return
+    for idx, (k, v) in enumerate(prefix):
+        cache.update(k.clone(), v.clone(), idx)
