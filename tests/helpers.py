@@ -36,10 +36,11 @@ def step_kinds(cache: SlowFastCache) -> list[str]:
 
 @torch.inference_mode()
 def lockstep(model, input_ids: torch.Tensor, config: SFIConfig, steps: int,
-             attention_mask: torch.Tensor | None = None, tokenizer=None) -> Lockstep:
+             attention_mask: torch.Tensor | None = None, tokenizer=None,
+             scorer=None) -> Lockstep:
     """Prefill and decode ``steps`` greedy tokens (chosen by full attention) through both caches."""
     out = Lockstep()
-    out.cache = SlowFastCache(model, config, tokenizer=tokenizer)
+    out.cache = SlowFastCache(model, config, tokenizer=tokenizer, scorer=scorer)
     out.reference = DynamicCache(config=model.config)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

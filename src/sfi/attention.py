@@ -81,7 +81,8 @@ def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Te
     return torch.matmul(p[..., :width], compact_v) + torch.matmul(p[..., width:], recent_v)
 
 
-def refresh_selection(layer: SlowFastLayer, slow: SlowRows, logits: torch.Tensor) -> None:
+def refresh_selection(layer: SlowFastLayer, slow: SlowRows, logits: torch.Tensor,
+                      queries: int = 1) -> None:
     """Score the middle region from ``logits [n, H, N, T]`` and rebuild the compact buffer.
 
     The rebuild goes through the cache's rebuilder: inline (committed at once), or on a CUDA
@@ -91,7 +92,7 @@ def refresh_selection(layer: SlowFastLayer, slow: SlowRows, logits: torch.Tensor
 
     def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         evidence = Evidence(logits=logits, key_norms=key_norms, candidates=slow.candidates,
-                            lo=slow.lo, hi=slow.hi, layer_idx=layer.layer_idx)
+                            lo=slow.lo, hi=slow.hi, layer_idx=layer.layer_idx, queries=queries)
         scores = layer.owner.scorer.score(evidence)
         positions, _ = top_k_positions(scores, slow.candidates, slow.k)
         keys, values = layer.pack(slow, positions)
@@ -112,7 +113,7 @@ def _select_after_prefill(layer: SlowFastLayer, slow: SlowRows, query: torch.Ten
     h, d = keys.shape[1], keys.shape[-1]
     q = slow.rows.take(query[:, :, -w:]).reshape(n, h, -1, w, d)  # [n, H, G, W, D]
     logits = _logits(q, keys[:, :, None], scale, softcap) + bias[:, :, None]  # [n, H, G, W, T]
-    refresh_selection(layer, slow, logits.reshape(n, h, -1, keys.shape[-2]))
+    refresh_selection(layer, slow, logits.reshape(n, h, -1, keys.shape[-2]), queries=w)
 
 
 def _decode_step(layer: SlowFastLayer, plan: StepPlan, query: torch.Tensor, scale: float,

@@ -20,6 +20,7 @@ from sfi.config import SFIConfig
 from sfi.decode import cache_argument
 from sfi.errors import SFIError
 from sfi.prefix import KV, load_prefix, prefix_kv
+from sfi.scorers import Scorer
 
 
 @dataclass
@@ -66,15 +67,15 @@ def _teacher_forced_logits(model: torch.nn.Module, cache: Any, prefix: KV, ids: 
 
 
 def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: int,
-                            methods: dict[str, SFIConfig], tokenizer: Any = None,
-                            window: int = 16) -> list[FidelityResult]:
-    """Compare each SFI configuration in ``methods`` with full attention.
+                            methods: dict[str, SFIConfig | tuple[SFIConfig, Scorer]],
+                            tokenizer: Any = None, window: int = 16) -> list[FidelityResult]:
+    """Compare each SFI configuration (optionally with another scorer) with full attention.
 
     Args:
         model: a routed causal LM (``sfi.load``).
         ids: ``[1, context + N]`` real token ids: the context, then the continuation.
         context: how many of ``ids`` are context.
-        methods: name -> SFIConfig.
+        methods: name -> SFIConfig, or (SFIConfig, scorer) for an ablation of the Selector.
         window: the last context tokens run as one forward after the shared prefill (SFI's first
             selection sees their queries, as after a normal prefill).
     """
@@ -91,8 +92,9 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
     log_full = F.log_softmax(full, dim=-1)
     ppl_full = float(torch.exp(-log_full[torch.arange(steps), target].mean()))
     results = []
-    for name, config in methods.items():
-        cache = SlowFastCache(model, config, tokenizer=tokenizer)
+    for name, method in methods.items():
+        config, scorer = method if isinstance(method, tuple) else (method, None)
+        cache = SlowFastCache(model, config, tokenizer=tokenizer, scorer=scorer)
         logits, slow = _teacher_forced_logits(model, cache, prefix, ids, context, window)
         log_method = F.log_softmax(logits, dim=-1)
         kl = (log_full.exp() * (log_full - log_method)).sum(dim=-1)

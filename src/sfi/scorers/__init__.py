@@ -30,6 +30,8 @@ class Evidence:
         lo: ``[B]`` first candidate position (after the sinks) of each sequence.
         hi: ``[B]`` end of the candidate region (start of the recent window).
         layer_idx: the model layer the evidence comes from.
+        queries: W, the evidence queries per query head; rows are ordered (query head, query),
+            the last query of each head last (W = 1 at a decode-time slow step).
     """
 
     logits: torch.Tensor
@@ -38,6 +40,12 @@ class Evidence:
     lo: torch.Tensor
     hi: torch.Tensor
     layer_idx: int
+    queries: int = 1
+
+    def attention(self) -> torch.Tensor:
+        """``[B, H, N, T]`` each row's softmax over the keys it may see (0 for a row that may
+        see nothing)."""
+        return torch.softmax(self.logits.float(), dim=-1).nan_to_num(0.0)
 
 
 @runtime_checkable
