@@ -127,9 +127,9 @@ def _decode_step(layer: SlowFastLayer, plan: StepPlan, query: torch.Tensor, scal
     rebuilding = layer.settle()  # rows whose compact rebuild is still running read densely
 
     def dense(rows: Rows, refresh: SlowRows | None = None) -> None:
+        if plan.pad_bias is None and plan.padded:  # rows still rebuilding in a padded batch
+            plan.pad_bias = layer.owner.pad_bias(keys.shape[-2], keys.device)
         bias = rows.take(plan.pad_bias) if plan.pad_bias is not None else None
-        if bias is None and any(seq.pad for seq in layer.owner.sequences):
-            bias = rows.take(layer.owner.pad_bias(keys.shape[-2], keys.device))
         o, logits = dense_attention(rows.take(q), rows.take(keys), rows.take(values), bias, scale,
                                     softcap)
         rows.put(out, o)

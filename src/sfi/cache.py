@@ -114,8 +114,8 @@ class StepPlan:
 
     ``dense`` rows attend to the whole cache without refreshing (short contexts, prefill);
     ``slow`` rows attend densely and refresh their selection; ``fast`` rows read the compact
-    buffer plus the recent window. ``pad_bias`` ``[B, 1, 1, T]`` masks left padding (None when
-    no row is padded).
+    buffer plus the recent window. ``pad_bias`` ``[B, 1, 1, T]`` masks left padding; it is built
+    only when a row reads densely (fast rows do not need it) and is None when no row is padded.
     """
 
     query_length: int
@@ -124,6 +124,7 @@ class StepPlan:
     slow: SlowRows | None
     fast: FastRows | None
     pad_bias: torch.Tensor | None
+    padded: bool = False
 
 
 class SlowFastLayer(CacheLayerMixin):
@@ -452,6 +453,7 @@ class SlowFastCache(Cache):
             slow=self._plan_slow(slow, reasons, total, query_length, device),
             fast=self._plan_fast(fast, total, device),
             pad_bias=self.pad_bias(total, device) if dense or slow else None,
+            padded=any(seq.pad for seq in self.sequences),
         )
         return self.plan
 
