@@ -29,6 +29,16 @@ def _alone(model, prompt, steps, config=CONFIG, dense_only=False):
     return out
 
 
+def _follow(model, cache, tokens, positions, *expected):
+    """Decode greedily; at step i, row r's logits must equal ``expected[r][i]``."""
+    for wanted in zip(*expected):
+        logits = _step(model, cache, tokens, positions)
+        for row, want in enumerate(wanted):
+            torch.testing.assert_close(logits[row], want, atol=2e-5, rtol=1e-5)
+        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+    return tokens, positions
+
+
 @torch.inference_mode()
 def test_join_and_leave_give_each_sequence_its_lone_logits():
     model = tiny_model("qwen2")
@@ -42,10 +52,8 @@ def test_join_and_leave_give_each_sequence_its_lone_logits():
     logits = _step(model, batch, first, torch.arange(50)[None])
     torch.testing.assert_close(logits[0], alone_first[0])
     tokens, positions = logits.argmax(-1, keepdim=True), torch.tensor([[50]])
-    for step in range(1, 4):  # the first sequence decodes alone for three steps
-        logits = _step(model, batch, tokens, positions)
-        torch.testing.assert_close(logits[0], alone_first[step], atol=2e-5, rtol=1e-5)
-        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+    # the first sequence decodes alone for three steps
+    tokens, positions = _follow(model, batch, tokens, positions, alone_first[1:4])
 
     joiner = SlowFastCache(model, CONFIG, dense_only=True)  # a full-attention request
     joined = _step(model, joiner, second, torch.arange(30)[None])
@@ -54,21 +62,15 @@ def test_join_and_leave_give_each_sequence_its_lone_logits():
     assert [seq.pad for seq in batch.sequences] == [0, 53 - 30]
     tokens = torch.cat([tokens, joined.argmax(-1, keepdim=True)])
     positions = torch.cat([positions, torch.tensor([[30]])])
-    for step in range(1, 7):  # both decode together
-        logits = _step(model, batch, tokens, positions)
-        torch.testing.assert_close(logits[0], alone_first[step + 3], atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(logits[1], alone_second[step], atol=2e-5, rtol=1e-5)
-        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+    # both decode together
+    tokens, positions = _follow(model, batch, tokens, positions, alone_first[4:10],
+                                alone_second[1:7])
     assert batch.stats(1).dense_steps == 6 and batch.stats(1).fast_steps == 0
     assert batch.stats(0).fast_steps > 0
 
     batch.keep([0])  # the second leaves: the first goes on alone, nothing recomputed
     assert [seq.pad for seq in batch.sequences] == [0]
-    tokens, positions = tokens[:1], positions[:1]
-    for step in range(10, 13):
-        logits = _step(model, batch, tokens, positions)
-        torch.testing.assert_close(logits[0], alone_first[step], atol=2e-5, rtol=1e-5)
-        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+    _follow(model, batch, tokens[:1], positions[:1], alone_first[10:13])
 
 
 @torch.inference_mode()
@@ -85,9 +87,5 @@ def test_leaving_trims_shared_padding():
     batch.merge(other)
     batch.keep([1])  # the long one leaves; the short one's 28 pads are trimmed
     assert batch.get_seq_length() == 12 and batch.sequences[0].pad == 0
-    tokens, positions = b.argmax(-1, keepdim=True), torch.tensor([[12]])
     del a
-    for step in range(1, 5):
-        logits = _step(model, batch, tokens, positions)
-        torch.testing.assert_close(logits[0], alone_short[step], atol=2e-5, rtol=1e-5)
-        tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+    _follow(model, batch, b.argmax(-1, keepdim=True), torch.tensor([[12]]), alone_short[1:5])
