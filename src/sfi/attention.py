@@ -17,16 +17,16 @@ Shapes: B sequences, Hq query heads, H KV heads, G = Hq / H, T cache length, D h
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from sfi.cache import SlowFastCache, SlowFastLayer, SlowRows, StepPlan, take_active_layer
 from sfi.errors import SFIError, UnsupportedModelError
+from sfi.eviction.cache import EvictionLayer
+from sfi.kernels import attention_logits, dense_attention, dense_fallback, fast_attention
 from sfi.rows import Rows
 from sfi.scorers import Evidence
 from sfi.selector import top_k_positions
@@ -34,65 +34,21 @@ from sfi.selector import top_k_positions
 ATTENTION_NAME = "sfi"
 
 
-def _logits(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    """Scaled, soft-capped logits ``[..., Q, T]`` of ``q [..., Q, D]`` on ``k [..., T, D]``."""
-    z = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    return z
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                    scale: float, softcap: float | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step over the whole cache, grouped by KV head.
-
-    Args:
-        q: ``[B, H, G, D]``; k, v: ``[B, H, T, D]``; bias: ``[B, 1, 1, T]`` or None.
-    Returns:
-        ``(out [B, H, G, D], logits [B, H, G, T])``, the logits biased (float32).
-    """
-    logits = _logits(q, k, scale, softcap)
-    if bias is not None:
-        logits = logits + bias
-    out = torch.matmul(torch.softmax(logits, dim=-1).to(v.dtype), v)
-    return out, logits
-
-
-def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Tensor,
-                   compact_bias: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor,
-                   recent_bias: torch.Tensor | None, scale: float,
-                   softcap: float | None = None) -> torch.Tensor:
-    """One fast step: a single softmax over the compact buffer and the recent window.
-
-    Args:
-        q: ``[B, H, G, D]``; compact_k/v: ``[B, H, C, D]`` (sink + selected);
-        compact_bias: ``[B, 1, 1, C]`` (-inf on unused slots); recent_k/v: ``[B, H, L, D]``;
-        recent_bias: ``[B, 1, 1, L]`` or None.
-    Returns:
-        ``[B, H, G, D]``.
-    """
-    compact = _logits(q, compact_k, scale, softcap) + compact_bias
-    recent = _logits(q, recent_k, scale, softcap)
-    if recent_bias is not None:
-        recent = recent + recent_bias
-    p = torch.softmax(torch.cat([compact, recent], dim=-1), dim=-1).to(recent_v.dtype)
-    width = compact.shape[-1]
-    return torch.matmul(p[..., :width], compact_v) + torch.matmul(p[..., width:], recent_v)
-
-
 def refresh_selection(layer: SlowFastLayer, slow: SlowRows, logits: torch.Tensor,
-                      queries: int = 1) -> None:
-    """Score the middle region from ``logits [n, H, N, T]`` and rebuild the compact buffer.
+                      queries: int = 1, query: torch.Tensor | None = None) -> None:
+    """Score the middle region from ``logits [n, H, N, T]`` (of the evidence queries
+    ``query [n, H, N, D]``) and rebuild the compact buffer.
 
     The rebuild goes through the cache's rebuilder: inline (committed at once), or on a CUDA
     side stream (committed when the layer next runs and finds it ready)."""
     layer.settle(wait=True)  # a newer refresh supersedes a pending one
     key_norms = slow.rows.take(layer.key_norms)
+    cached_keys = slow.rows.take(layer.keys) if query is not None else None
 
     def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         evidence = Evidence(logits=logits, key_norms=key_norms, candidates=slow.candidates,
-                            lo=slow.lo, hi=slow.hi, layer_idx=layer.layer_idx, queries=queries)
+                            lo=slow.lo, hi=slow.hi, layer_idx=layer.layer_idx, queries=queries,
+                            query=query, keys=cached_keys)
         scores = layer.owner.scorer.score(evidence)
         positions, _ = top_k_positions(scores, slow.candidates, slow.k)
         keys, values = layer.pack(slow, positions)
@@ -100,6 +56,8 @@ def refresh_selection(layer: SlowFastLayer, slow: SlowRows, logits: torch.Tensor
 
     inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sink_positions,
               layer.storage_keys, layer.storage_values]
+    if query is not None:
+        inputs += [query, cached_keys]
     layer.pending = layer.owner.rebuilder.submit(slow.rows, rebuild, inputs)
     layer.settle()
 
@@ -112,8 +70,9 @@ def _select_after_prefill(layer: SlowFastLayer, slow: SlowRows, query: torch.Ten
     keys = slow.rows.take(layer.keys)
     h, d = keys.shape[1], keys.shape[-1]
     q = slow.rows.take(query[:, :, -w:]).reshape(n, h, -1, w, d)  # [n, H, G, W, D]
-    logits = _logits(q, keys[:, :, None], scale, softcap) + bias[:, :, None]  # [n, H, G, W, T]
-    refresh_selection(layer, slow, logits.reshape(n, h, -1, keys.shape[-2]), queries=w)
+    logits = attention_logits(q, keys[:, :, None], scale, softcap)  # [n, H, G, W, T]
+    logits = (logits + bias[:, :, None]).reshape(n, h, -1, keys.shape[-2])
+    refresh_selection(layer, slow, logits, queries=w, query=q.reshape(n, h, -1, d))
 
 
 def _decode_step(layer: SlowFastLayer, plan: StepPlan, query: torch.Tensor, scale: float,
@@ -134,7 +93,7 @@ def _decode_step(layer: SlowFastLayer, plan: StepPlan, query: torch.Tensor, scal
                                     softcap)
         rows.put(out, o)
         if refresh is not None:
-            refresh_selection(layer, refresh, logits)
+            refresh_selection(layer, refresh, logits, query=rows.take(q))
 
     if plan.dense:
         dense(plan.dense)
@@ -158,18 +117,6 @@ def _decode_step(layer: SlowFastLayer, plan: StepPlan, query: torch.Tensor, scal
     return out.reshape(b, 1, hq, -1)
 
 
-def dense_fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
-                   ) -> tuple[torch.Tensor, Any]:
-    """Attention as the model would compute it without sfi: SDPA, or the model's own eager
-    function where SDPA cannot (soft-capped logits, as in Gemma 2)."""
-    if kwargs.get("softcap") is not None:
-        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if eager is not None:
-            return eager(module, query, key, value, attention_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
 def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
                   scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
@@ -180,6 +127,9 @@ def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     update; returns ``([B, Q, Hq, D], None)``.
     """
     layer = take_active_layer(getattr(module, "layer_idx", -1))
+    if isinstance(layer, EvictionLayer):
+        return layer.attend(module, query, key, value, attention_mask, scaling=scaling,
+                            dropout=dropout, **kwargs)
     plan = layer.owner.plan if layer is not None else None
     if plan is None:
         return dense_fallback(module, query, key, value, attention_mask, dropout=dropout,

@@ -33,7 +33,12 @@ NEG_INF = float("-inf")
 _active = threading.local()
 
 
-def take_active_layer(layer_idx: int) -> SlowFastLayer | None:
+def set_active_layer(layer: Any) -> None:
+    """Record the cache layer whose ``update`` just ran (for the attention call that follows)."""
+    _active.layer = layer
+
+
+def take_active_layer(layer_idx: int) -> Any:
     """The SFI layer whose ``update`` ran just before this attention call, if any.
 
     A decoder calls ``cache.update`` and then the attention function for the same layer, in the
@@ -175,7 +180,7 @@ class SlowFastLayer(CacheLayerMixin):
         self._values[:, :, start:end] = value_states
         self._norms[:, :, start:end] = torch.linalg.vector_norm(key_states.float(), dim=-1)
         self.length = end
-        _active.layer = self
+        set_active_layer(self)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple[int, int]:

@@ -32,6 +32,11 @@ class Evidence:
         layer_idx: the model layer the evidence comes from.
         queries: W, the evidence queries per query head; rows are ordered (query head, query),
             the last query of each head last (W = 1 at a decode-time slow step).
+        query: ``[B, H, N, D]`` the evidence queries themselves (post-RoPE), rows as in
+            ``logits``; None where the caller has only logits.
+        keys: ``[B, H, T, D]`` the cached keys (for scorers that bound q.k by pages, Quest).
+        history: ``[B, H, T]`` attention accumulated by earlier queries (H2O), where the
+            caller tracks it; None otherwise.
     """
 
     logits: torch.Tensor
@@ -41,6 +46,9 @@ class Evidence:
     hi: torch.Tensor
     layer_idx: int
     queries: int = 1
+    query: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    history: torch.Tensor | None = None
 
     def attention(self) -> torch.Tensor:
         """``[B, H, N, T]`` each row's softmax over the keys it may see (0 for a row that may

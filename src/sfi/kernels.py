@@ -1,0 +1,72 @@
+"""Attention kernels shared by every cache: dense, fast (two-block) and the model's fallback.
+
+Shapes: B sequences, H KV heads, G query heads per KV head, T cache length, D head size.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float,
+                     softcap: float | None) -> torch.Tensor:
+    """Scaled, soft-capped logits ``[..., Q, T]`` of ``q [..., Q, D]`` on ``k [..., T, D]``."""
+    z = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                    scale: float, softcap: float | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step over the whole cache, grouped by KV head.
+
+    Args:
+        q: ``[B, H, G, D]``; k, v: ``[B, H, T, D]``; bias: ``[B, 1, 1, T]`` or None.
+    Returns:
+        ``(out [B, H, G, D], logits [B, H, G, T])``, the logits biased (float32).
+    """
+    logits = attention_logits(q, k, scale, softcap)
+    if bias is not None:
+        logits = logits + bias
+    out = torch.matmul(torch.softmax(logits, dim=-1).to(v.dtype), v)
+    return out, logits
+
+
+def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Tensor,
+                   compact_bias: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor,
+                   recent_bias: torch.Tensor | None, scale: float,
+                   softcap: float | None = None) -> torch.Tensor:
+    """One fast step: a single softmax over the compact buffer and the recent window.
+
+    Args:
+        q: ``[B, H, G, D]``; compact_k/v: ``[B, H, C, D]`` (sink + selected);
+        compact_bias: ``[B, 1, 1, C]`` (-inf on unused slots); recent_k/v: ``[B, H, L, D]``;
+        recent_bias: ``[B, 1, 1, L]`` or None.
+    Returns:
+        ``[B, H, G, D]``.
+    """
+    compact = attention_logits(q, compact_k, scale, softcap) + compact_bias
+    recent = attention_logits(q, recent_k, scale, softcap)
+    if recent_bias is not None:
+        recent = recent + recent_bias
+    p = torch.softmax(torch.cat([compact, recent], dim=-1), dim=-1).to(recent_v.dtype)
+    width = compact.shape[-1]
+    return torch.matmul(p[..., :width], compact_v) + torch.matmul(p[..., width:], recent_v)
+
+
+def dense_fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
+                   ) -> tuple[torch.Tensor, Any]:
+    """Attention as the model would compute it without sfi: SDPA, or the model's own eager
+    function where SDPA cannot (soft-capped logits, as in Gemma 2)."""
+    if kwargs.get("softcap") is not None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
