@@ -1,0 +1,57 @@
+"""Quest (Tang et al. 2024) as a scorer: query-aware page bounds from min/max keys.
+
+The cache is cut into pages of ``page`` tokens (aligned at position 0); each page keeps the
+element-wise min m and max M of its keys. A query q bounds every q.k inside a page by
+sum_d max(q_d m_d, q_d M_d). Every position scores its page's bound, so top-K keeps whole pages.
+With grouped heads, the bounds of the G query heads sharing a KV head (their last evidence
+query each) are summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sfi.errors import SFIError
+from sfi.scorers import Evidence
+
+
+def page_bounds(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys [B, H, T, D]`` -> element-wise (min, max) per page, each ``[B, H, P, D]``
+    (P = ceil(T / page); the last page may be partial)."""
+    t = keys.shape[-2]
+    pad = (-t) % page
+    k = keys.float()
+    low = F.pad(k, (0, 0, 0, pad), value=float("inf")).unflatten(-2, (-1, page)).amin(dim=-2)
+    high = F.pad(k, (0, 0, 0, pad), value=float("-inf")).unflatten(-2, (-1, page)).amax(dim=-2)
+    return low, high
+
+
+def page_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """``query [B, H, G, D]`` and page bounds ``[B, H, P, D]`` -> ``[B, H, P]``, the upper bound
+    of q.k in each page summed over the G query heads."""
+    q = query.float()[:, :, :, None, :]  # [B, H, G, 1, D]
+    bound = torch.maximum(q * low[:, :, None], q * high[:, :, None]).sum(dim=-1)  # [B, H, G, P]
+    return bound.sum(dim=2)
+
+
+@dataclass(frozen=True)
+class QuestScorer:
+    page: int = 16
+
+    def __post_init__(self) -> None:
+        if self.page < 1:
+            raise ValueError(f"page must be >= 1, got {self.page}")
+
+    def score(self, evidence: Evidence) -> torch.Tensor:
+        if evidence.query is None or evidence.keys is None:
+            raise SFIError("the Quest scorer needs the evidence queries and the cached keys")
+        b, h, rows, d = evidence.query.shape
+        w = evidence.queries
+        last = evidence.query.reshape(b, h, rows // w, w, d)[:, :, :, -1]  # [B, H, G, D]
+        low, high = page_bounds(evidence.keys, self.page)
+        per_page = page_scores(last, low, high)  # [B, H, P]
+        t = evidence.keys.shape[-2]
+        return per_page.repeat_interleave(self.page, dim=-1)[..., :t]
