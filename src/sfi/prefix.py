@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from sfi.cache import SlowFastCache
 from sfi.decode import cache_argument
+from sfi.eviction.cache import EvictionCache, prefill_with_history
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -29,6 +30,30 @@ def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class SharedPrefill:
+    """One real prefill of ``ids [1, T]``, continued by any number of caches.
+
+    With ``history`` it also keeps, per layer, the attention each key received from every
+    prompt query ``[1, H, T]`` (what H2O's eviction starts from); that costs a second pass of
+    query-key products over the prompt, so ask for it only when a method needs it.
+    """
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, history: bool = False):
+        self.length = ids.shape[1]
+        self.history: list[torch.Tensor] | None = None
+        if history:
+            self.kv, self.history = prefill_with_history(model, ids)
+        else:
+            self.kv = prefix_kv(model, ids, synthetic=False)
+
+    def load(self, cache: Any) -> None:
+        """Fill the empty ``cache`` with a copy of this prefill."""
+        if isinstance(cache, EvictionCache):
+            cache.load(self.kv, self.history)
+        else:
+            load_prefix(cache, self.kv)
 
 
 def load_prefix(cache: Any, prefix: KV) -> None:
