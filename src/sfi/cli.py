@@ -1,7 +1,8 @@
-"""The ``sfi`` command line: ``sfi generate`` and ``sfi demo``."""
+"""The ``sfi`` command line: generate, demo, bench, eval, analyze, serve, loadtest."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import fields
@@ -268,6 +269,158 @@ def _print_bench(result: dict[str, Any]) -> None:
     console.print(table)
     for skip in result["skipped"]:
         err.print(f"skipped context {skip['context']} batch {skip['batch']}: {skip['reason']}")
+
+def _name_list(name: str, text: str, choices: tuple[str, ...] | None = None) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise SFIError(f"{name} must list at least one name")
+    unknown = [v for v in values if choices is not None and v not in choices]
+    if unknown:
+        raise SFIError(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(choices)}")
+    return values
+
+
+def _float_list(name: str, text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SFIError(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise SFIError(f"{name} must list at least one number")
+    return values
+
+
+DEFAULT_METHODS = "full,sfi,streamingllm,snapkv,pyramidkv,h2o,tova,quest"
+
+
+@app.command("eval")
+def eval_cmd(
+    model: ModelOpt = "default",
+    tasks: Annotated[str, typer.Option(help="comma-separated: passkey, niah, niah_multikey, "
+                                       "niah_multivalue, niah_multiquery, vt, sequential, "
+                                       "fidelity")] =
+        "passkey,niah,niah_multikey,niah_multivalue,niah_multiquery,vt,sequential,fidelity",
+    contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] =
+        "4096",
+    methods: Annotated[str, typer.Option(help="full, sfi, sfi+<scorer>, streamingllm, snapkv, "
+                                         "pyramidkv, h2o, tova, quest; name@budget pins a "
+                                         "method's budget")] = DEFAULT_METHODS,
+    budget: Annotated[str, typer.Option(help="tokens kept per KV head: a fraction of the "
+                                        "context (<= 1) or tokens (> 1); comma-separated to "
+                                        "sweep")] = "0.15",
+    samples: Annotated[int, typer.Option(help="samples per task and context")] = 4,
+    seed: Annotated[int, typer.Option(help="seed of the task generators")] = 0,
+    fidelity_tokens: Annotated[int, typer.Option(help="teacher-forced continuation length")] =
+        512,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    out: Annotated[Path | None, typer.Option(help="write results.json, report.md and plots "
+                                             "here")] = None,
+) -> None:
+    """Long-context quality of SFI against full attention and KV-eviction baselines."""
+    from sfi.eval.report import markdown, plot_all, summarize
+    from sfi.eval.runner import parse_runs, run_eval
+    from sfi.eval.tasks import TASKS
+
+    task_list = _name_list("--tasks", tasks, TASKS)
+    context_list = _int_list("--contexts", contexts)
+    method_list = _name_list("--methods", methods)
+    budgets = _float_list("--budget", budget)
+    parse_runs(method_list, budgets)  # unknown methods fail before the model loads
+    if samples < 1 or fidelity_tokens < 1:
+        raise SFIError("--samples and --fidelity-tokens must be >= 1")
+    loaded_model, tokenizer = _load(model, as_json)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               MofNCompleteColumn())
+    total = len(task_list) * len(context_list) * samples
+    with Progress(*columns, console=err, transient=True, disable=as_json) as progress:
+        bar = progress.add_task("eval", total=total)
+
+        started = [0]
+
+        def advance(task: str, context: int, index: int) -> None:
+            progress.update(bar, completed=started[0],
+                            description=f"{task} @ {context}, sample {index + 1}")
+            started[0] += 1
+
+        rows = run_eval(loaded_model, tokenizer, task_list, context_list, method_list, budgets,
+                        samples, seed=seed, fidelity_tokens=fidelity_tokens, on_sample=advance)
+    result: dict[str, Any] = {
+        "model": model, "tasks": task_list, "contexts": context_list, "methods": method_list,
+        "budgets": budgets, "samples": samples, "seed": seed,
+        "command": "sfi eval " + " ".join(sys.argv[2:]),
+        "rows": [r.to_dict() for r in rows]}
+    result["summary"] = summarize(result["rows"])
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        plots = plot_all(result, out)
+        (out / "report.md").write_text(markdown(result, plots), encoding="utf-8")
+    if as_json:
+        print(json.dumps(result))
+        return
+    _print_eval(result)
+    if out is not None:
+        err.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and the plots")
+
+
+def _print_eval(result: dict[str, Any]) -> None:
+    from sfi.eval.report import table_rows
+
+    header, cells = table_rows(result["summary"])
+    table = Table(title=f"{result['model']}: score (%) by task, {result['samples']} sample(s) "
+                        "each")
+    for name in header:
+        table.add_column(name, justify="left" if name == "method" else "right")
+    for row in cells:
+        table.add_row(*row)
+    Console().print(table)
+
+@app.command("analyze")
+def analyze_cmd(
+    model: ModelOpt = "default",
+    context: Annotated[int, typer.Option(help="essay tokens before the analysed continuation")]
+        = 4096,
+    tokens: Annotated[int, typer.Option(help="continuation tokens fed one by one")] = 512,
+    top_k: Annotated[int, typer.Option("--top-k", help="size of the support per KV head")] = 64,
+    k_fraction: Annotated[float, typer.Option("--k-fraction", help="SFI's K as a fraction of "
+                                              "the context, for the captured mass")] = 0.15,
+    seed: Annotated[int, typer.Option(help="picks the essay offset")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    out: Annotated[Path | None, typer.Option(help="write stability.json and stability.png "
+                                             "here")] = None,
+) -> None:
+    """Support stability while decoding real text: within vs across sentences (paper Fig. 1)."""
+    import torch
+
+    from sfi.eval.stability import plot_stability, support_stability
+    from sfi.eval.tasks import make_sample
+
+    if tokens < 2 or top_k < 1:
+        raise SFIError("--tokens must be >= 2 and --top-k >= 1")
+    config = build_config(k_fraction=k_fraction)
+    loaded_model, tokenizer = _load(model, as_json)
+    sample = make_sample("fidelity", tokenizer, context, seed, continuation=tokens)
+    ids = torch.tensor([sample.prompt_ids], device=next(loaded_model.parameters()).device)
+    with err.status(f"decoding {tokens} tokens after {context} with full attention",
+                    spinner="dots") if not as_json else contextlib.nullcontext():
+        result = support_stability(loaded_model, tokenizer, ids, context, config, top_k)
+    payload = {"model": model, "seed": seed, **result.to_dict()}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stability.json").write_text(json.dumps(payload, indent=1), encoding="utf-8")
+        plot_stability(result, str(out / "stability.png"),
+                       title=f"{model}: {context} tokens of context, {tokens} decoded")
+    if as_json:
+        print(json.dumps(payload))
+        return
+    table = Table(title=f"{model}: support stability over {tokens} tokens after {context}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in result.summary.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items())
+        table.add_row(name.replace("_", " "), str(value))
+    Console().print(table)
 
 
 @app.command("serve")

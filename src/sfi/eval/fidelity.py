@@ -8,6 +8,7 @@ perplexity of the real continuation under each. The context is prefilled once an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,8 +20,11 @@ from sfi.cache import SlowFastCache
 from sfi.config import SFIConfig
 from sfi.decode import cache_argument
 from sfi.errors import SFIError
-from sfi.prefix import KV, load_prefix, prefix_kv
+from sfi.eval.methods import retention
+from sfi.prefix import SharedPrefill
 from sfi.scorers import Scorer
+
+MethodSpec = SFIConfig | tuple[SFIConfig, Scorer] | Callable[[], Any]
 
 
 @dataclass
@@ -36,6 +40,7 @@ class FidelityResult:
     ppl: float
     ppl_full: float
     retention: float
+    fast_retention: float | None = None
     slow_steps: list[int] = field(default_factory=list)
     kl_per_step: list[float] = field(default_factory=list)
 
@@ -44,10 +49,11 @@ class FidelityResult:
 
 
 @torch.inference_mode()
-def _teacher_forced_logits(model: torch.nn.Module, cache: Any, prefix: KV, ids: torch.Tensor,
-                           context: int, window: int) -> tuple[torch.Tensor, list[int]]:
+def _teacher_forced_logits(model: torch.nn.Module, cache: Any, prefix: SharedPrefill,
+                           ids: torch.Tensor, context: int, window: int
+                           ) -> tuple[torch.Tensor, list[int]]:
     """``[N, V]`` logits predicting ``ids[context : context + N]``, and the slow steps."""
-    load_prefix(cache, prefix)
+    prefix.load(cache)
     key = cache_argument(model)
     device = ids.device
     steps = ids.shape[1] - context
@@ -67,17 +73,20 @@ def _teacher_forced_logits(model: torch.nn.Module, cache: Any, prefix: KV, ids: 
 
 
 def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: int,
-                            methods: dict[str, SFIConfig | tuple[SFIConfig, Scorer]],
-                            tokenizer: Any = None, window: int = 16) -> list[FidelityResult]:
-    """Compare each SFI configuration (optionally with another scorer) with full attention.
+                            methods: dict[str, MethodSpec], tokenizer: Any = None,
+                            window: int = 16, prefix: SharedPrefill | None = None
+                            ) -> list[FidelityResult]:
+    """Compare each method with full attention.
 
     Args:
         model: a routed causal LM (``sfi.load``).
         ids: ``[1, context + N]`` real token ids: the context, then the continuation.
         context: how many of ``ids`` are context.
-        methods: name -> SFIConfig, or (SFIConfig, scorer) for an ablation of the Selector.
+        methods: name -> SFIConfig, (SFIConfig, scorer) for an ablation of the Selector, or a
+            function returning a fresh cache (any method of ``sfi.eval.methods``).
         window: the last context tokens run as one forward after the shared prefill (SFI's first
             selection sees their queries, as after a normal prefill).
+        prefix: the shared prefill of ``ids[:, : context - window]``, when the caller has it.
     """
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise SFIError("ids must be one sequence, shaped [1, context + continuation]")
@@ -85,7 +94,8 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
     if steps < 1 or context <= window:
         raise SFIError(f"need a context longer than {window} tokens and a continuation; got "
                        f"context {context} of {ids.shape[1]} tokens")
-    prefix = prefix_kv(model, ids[:, : context - window], synthetic=False)
+    if prefix is None:
+        prefix = SharedPrefill(model, ids[:, : context - window])
     target = ids[0, context:]
     full, _ = _teacher_forced_logits(model, DynamicCache(config=model.config), prefix, ids,
                                      context, window)
@@ -93,17 +103,25 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
     ppl_full = float(torch.exp(-log_full[torch.arange(steps), target].mean()))
     results = []
     for name, method in methods.items():
-        config, scorer = method if isinstance(method, tuple) else (method, None)
-        cache = SlowFastCache(model, config, tokenizer=tokenizer, scorer=scorer)
+        cache = _build(model, method, tokenizer)
         logits, slow = _teacher_forced_logits(model, cache, prefix, ids, context, window)
         log_method = F.log_softmax(logits, dim=-1)
         kl = (log_full.exp() * (log_full - log_method)).sum(dim=-1)
-        stats = cache.stats()
+        read, fast_read = retention(cache)
         results.append(FidelityResult(
             method=name, context=context, tokens=steps, kl_mean=float(kl.mean()),
             kl_max=float(kl.max()),
             top1=float((full.argmax(-1) == logits.argmax(-1)).float().mean()),
             ppl=float(torch.exp(-log_method[torch.arange(steps), target].mean())),
-            ppl_full=ppl_full, retention=stats.fast_read_fraction, slow_steps=slow,
+            ppl_full=ppl_full, retention=read, fast_retention=fast_read, slow_steps=slow,
             kl_per_step=[round(float(v), 6) for v in kl]))
     return results
+
+
+def _build(model: torch.nn.Module, method: MethodSpec, tokenizer: Any) -> Any:
+    if isinstance(method, SFIConfig):
+        return SlowFastCache(model, method, tokenizer=tokenizer)
+    if isinstance(method, tuple):
+        config, scorer = method
+        return SlowFastCache(model, config, tokenizer=tokenizer, scorer=scorer)
+    return method()

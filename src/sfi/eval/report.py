@@ -1,0 +1,211 @@
+"""Summaries, the markdown report and the plots of an evaluation (``sfi eval --out``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from sfi.eval.tasks import TASKS
+
+Row = dict[str, Any]
+
+
+def label(row: Row) -> str:
+    """``method@budget`` (``full`` alone)."""
+    return "full" if row["method"] == "full" else f"{row['method']}@{row['budget']:g}"
+
+
+def summarize(rows: list[Row]) -> list[Row]:
+    """One entry per (context, method, budget): mean score per task, the average over the
+    retrieval tasks (every task but fidelity), mean measured retention, and the fidelity
+    metrics when that task ran."""
+    groups: dict[tuple, list[Row]] = defaultdict(list)
+    for row in rows:
+        groups[(row["context"], label(row))].append(row)
+    out = []
+    for (context, name), members in groups.items():
+        first = members[0]
+        entry: Row = {"context": context, "method": first["method"], "budget": first["budget"],
+                      "label": name, "retention": round(mean(r["retention"] for r in members), 4)}
+        by_task: dict[str, list[float]] = defaultdict(list)
+        for r in members:
+            by_task[r["task"]].append(r["score"])
+        entry["scores"] = {t: round(mean(v), 2) for t, v in by_task.items()}
+        entry["samples"] = {t: len(v) for t, v in by_task.items()}
+        retrieval = [v for t, v in entry["scores"].items() if t != "fidelity"]
+        entry["average"] = round(mean(retrieval), 2) if retrieval else None
+        fidelity = [r for r in members if r["task"] == "fidelity"]
+        if fidelity:
+            entry["kl"] = round(mean(r["kl"] for r in fidelity), 5)
+            entry["top1"] = round(mean(r["top1"] for r in fidelity), 4)
+            entry["ppl"] = round(mean(r["ppl"] for r in fidelity), 3)
+        out.append(entry)
+    order = {t: i for i, t in enumerate(TASKS)}
+    for entry in out:
+        entry["scores"] = dict(sorted(entry["scores"].items(), key=lambda kv: order[kv[0]]))
+    return out
+
+
+def tasks_of(summary: list[Row]) -> list[str]:
+    seen = {t for entry in summary for t in entry["scores"]}
+    return [t for t in TASKS if t in seen]
+
+
+def table_rows(summary: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the task x method table."""
+    tasks = tasks_of(summary)
+    retrieval = [t for t in tasks if t != "fidelity"]
+    header = ["context", "method", "retention", *retrieval]
+    if retrieval:
+        header.append("avg")
+    if "fidelity" in tasks:
+        header += ["top1 %", "KL", "ppl"]
+    cells = []
+    for e in summary:
+        row = [str(e["context"]), e["label"], f"{100 * e['retention']:.1f}%"]
+        row += [_num(e["scores"].get(t)) for t in retrieval]
+        if retrieval:
+            row.append(_num(e["average"]))
+        if "fidelity" in tasks:
+            row += [_num(100 * e["top1"] if "top1" in e else None),
+                    f"{e['kl']:.4f}" if "kl" in e else "-", _num(e.get("ppl"))]
+        cells.append(row)
+    return header, cells
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def markdown(result: Row, plots: list[str]) -> str:
+    """The report: what ran, the table, per-sample outputs' location, the plots."""
+    header, cells = table_rows(result["summary"])
+    lines = [f"# sfi eval: {result['model']}", "",
+             f"Tasks {', '.join(result['tasks'])}; contexts {result['contexts']}; "
+             f"{result['samples']} sample(s) per task and context; seed {result['seed']}.",
+             f"Command: `{result.get('command', 'sfi eval')}`", "",
+             "Scores are percentages (string match; `sequential` counts needles recalled in "
+             "the asked order; fidelity's score is top-1 agreement with full attention). "
+             "Retention is the measured mean fraction of the context each decode step read.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    lines += ["", "Per-sample rows, with each output, are in `results.json`.", ""]
+    lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot_all(result: Row, folder: Path) -> list[str]:
+    """Write every plot that the result has data for; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    paths = []
+    for fn in (plot_score_vs_budget, plot_niah_heatmaps, plot_fidelity_kl):
+        path = fn(result, folder)
+        if path is not None:
+            paths.append(path)
+    return paths
+
+
+def plot_score_vs_budget(result: Row, folder: Path) -> str | None:
+    """Task-average score against measured retention, one line per method and context."""
+    import matplotlib.pyplot as plt
+
+    summary = [e for e in result["summary"] if e["average"] is not None]
+    if not summary:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+    for e in summary:
+        lines[(e["method"], e["context"])].append((100 * e["retention"], e["average"]))
+    for (method, context), points in sorted(lines.items()):
+        name = f"{method} ({context})" if len(result["contexts"]) > 1 else method
+        points.sort()
+        if method == "full":
+            ax.axhline(points[0][1], color="black", linestyle="--", linewidth=1, label=name)
+            continue
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", label=name,
+                linewidth=2.5 if method.startswith("sfi") else 1.2)
+    ax.set_xlabel("measured retention (% of the context read per decode step)")
+    ax.set_ylabel("task-average score (%)")
+    ax.set_title(f"{result['model']}: score against budget")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    path = folder / "score_vs_budget.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def plot_niah_heatmaps(result: Row, folder: Path) -> str | None:
+    """Single-needle NIAH score over depth x context, one panel per method@budget."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = [r for r in result["rows"] if r["task"] == "niah"]
+    if not rows:
+        return None
+    names = list(dict.fromkeys(label(r) for r in rows))
+    depths = sorted({round(r["depth"], 3) for r in rows})
+    contexts = sorted({r["context"] for r in rows})
+    cols = min(4, len(names))
+    fig, axes = plt.subplots((len(names) + cols - 1) // cols, cols, squeeze=False,
+                             figsize=(3.2 * cols, 2.8 * ((len(names) + cols - 1) // cols)))
+    for ax in axes.flat[len(names):]:
+        ax.axis("off")
+    for ax, name in zip(axes.flat, names):
+        grid = np.full((len(depths), len(contexts)), np.nan)
+        for r in rows:
+            if label(r) == name:
+                grid[depths.index(round(r["depth"], 3)), contexts.index(r["context"])] = \
+                    r["score"]
+        ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks(range(len(contexts)), [str(c) for c in contexts], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_xlabel("context", fontsize=8)
+        ax.set_ylabel("needle depth", fontsize=8)
+    fig.suptitle(f"{result['model']}: single-needle retrieval (green = found)")
+    fig.tight_layout()
+    path = folder / "niah_heatmap.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def plot_fidelity_kl(result: Row, folder: Path) -> str | None:
+    """KL(full || method) along the teacher-forced continuation of the first fidelity sample,
+    SFI's slow steps marked."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["task"] == "fidelity" and r.get("kl_per_step")
+            and r["sample"] == 0]
+    if not rows:
+        return None
+    context = rows[0]["context"]
+    rows = [r for r in rows if r["context"] == context]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for r in rows:
+        kl = r["kl_per_step"]
+        line, = ax.plot(range(len(kl)), kl, linewidth=1.6 if r["method"].startswith("sfi")
+                        else 0.8, label=f"{label(r)} (mean {r['kl']:.3f})")
+        slow = r.get("slow_step_indices") or []
+        if slow:
+            ax.scatter(slow, [kl[i] for i in slow], marker="v", s=22, color=line.get_color(),
+                       zorder=3)
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_xlabel("continuation token (teacher-forced)")
+    ax.set_ylabel("KL(full || method), nats")
+    ax.set_title(f"{result['model']}: fidelity at {context} tokens of context "
+                 "(triangles: SFI slow steps)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = folder / "fidelity_kl.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,207 @@
+"""Run tasks x contexts x methods x budgets on one model; one row per (sample, method, budget).
+
+Each sample is prefilled once (all but its last ``window`` tokens) and every method continues
+that prefill with a copy: it runs the last ``window`` prompt tokens as one forward (its own
+first selection sees their queries, as after a normal prefill), then decodes greedily. A run
+costs one prefill per sample plus short decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from sfi.decode import cache_argument, eos_token_ids
+from sfi.errors import SFIError
+from sfi.eval.fidelity import teacher_forced_fidelity
+from sfi.eval.methods import Method, budget_tokens, parse_method, retention
+from sfi.eval.tasks import TASKS, Sample, make_sample, score
+from sfi.prefix import SharedPrefill
+
+WINDOW = 32  # SnapKV's observation window; SFI's evidence is the last 16 of these queries
+FIDELITY_TOKENS = 512
+
+
+@dataclass
+class EvalRow:
+    """One method on one sample. ``context`` is the length asked for, ``prompt_tokens`` the
+    sample's; ``budget`` is what was asked (fraction or tokens), ``capacity`` the tokens per
+    KV head it became; ``retention`` is the measured mean fraction of the context read per
+    decode step (``fast_retention``: over SFI's fast steps only)."""
+
+    task: str
+    context: int
+    prompt_tokens: int
+    method: str
+    budget: float
+    capacity: int
+    retention: float
+    score: float
+    sample: int
+    depth: float | None = None
+    fast_retention: float | None = None
+    slow_steps: int | None = None
+    kl: float | None = None
+    top1: float | None = None
+    ppl: float | None = None
+    ppl_full: float | None = None
+    kl_per_step: list[float] | None = None
+    slow_step_indices: list[int] | None = None
+    output: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@torch.inference_mode()
+def greedy_continue(model: torch.nn.Module, cache: Any, prefill: SharedPrefill | None,
+                    ids: torch.Tensor, max_new_tokens: int, stop: set[int]) -> list[int]:
+    """Continue ``prefill`` (of ``ids[:, :P]``) through ``cache``: run ``ids[:, P:]`` as one
+    forward, then greedy decoding until a stop token or ``max_new_tokens``. Without a
+    ``prefill`` the cache prefills the whole prompt itself."""
+    start = 0
+    if prefill is not None:
+        prefill.load(cache)
+        start = prefill.length
+    key, device = cache_argument(model), ids.device
+    total = ids.shape[1]
+    out = model(input_ids=ids[:, start:], position_ids=torch.arange(start, total,
+                                                                     device=device)[None],
+                use_cache=True, logits_to_keep=1, **{key: cache})
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens:
+        token = int(out.logits[0, -1].argmax())
+        if token in stop:
+            break
+        tokens.append(token)
+        if len(tokens) == max_new_tokens:
+            break
+        position = torch.tensor([[total + len(tokens) - 1]], device=device)
+        out = model(input_ids=torch.tensor([[token]], device=device), position_ids=position,
+                    use_cache=True, **{key: cache})
+    return tokens
+
+
+def parse_runs(methods: Sequence[str], budgets: Sequence[float]
+               ) -> list[tuple[Method, float]]:
+    """Every (method, budget) to run: ``name@budget`` pins a method's own budget, a bare name
+    runs at each of ``budgets``; full attention runs once, at budget 1."""
+    runs: list[tuple[Method, float]] = []
+    for item in methods:
+        name, sep, pinned = item.partition("@")
+        method = parse_method(name.strip())
+        if method.kind == "full":
+            chosen = [1.0]
+        elif sep:
+            try:
+                chosen = [float(pinned)]
+            except ValueError:
+                raise SFIError(f"{item!r}: the budget after '@' must be a number") from None
+        else:
+            chosen = list(budgets)
+        runs.extend((method, b) for b in chosen if (method, b) not in runs)
+    if not runs:
+        raise SFIError("no methods to evaluate")
+    return runs
+
+
+def _depth(task: str, sample: int, samples: int) -> float | None:
+    """NIAH sweeps depth evenly over the samples (a heat-map axis); other tasks draw theirs."""
+    if task != "niah":
+        return None
+    return 0.5 if samples == 1 else sample / (samples - 1)
+
+
+def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
+                    runs: list[tuple[Method, float]], window: int = WINDOW) -> list[EvalRow]:
+    """Every (method, budget) of ``runs`` on one sample, sharing its prefill."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([sample.prompt_ids], device=device)
+    depth = sample.depths[0] if sample.task == "niah" else None
+    if sample.task == "fidelity":
+        return _fidelity_rows(model, tokenizer, sample, index, runs, ids, window)
+    if sample.context <= window:
+        raise SFIError(f"a prompt of {sample.context} tokens is too short for a {window}-token "
+                       "window")
+    history = any(m.needs_history for m, _ in runs)
+    prefill = SharedPrefill(model, ids[:, :-window], history=history)
+    stop = set(eos_token_ids(model, tokenizer))
+    rows = []
+    for method, budget in runs:
+        cache = method.build(model, tokenizer, sample.context, budget)
+        tokens = greedy_continue(model, cache, prefill, ids, sample.max_new_tokens, stop)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        read, fast_read = retention(cache)
+        stats = cache.stats() if hasattr(cache, "stats") else None
+        rows.append(EvalRow(
+            task=sample.task, context=sample.target, prompt_tokens=sample.context,
+            method=method.name, budget=budget,
+            capacity=budget_tokens(budget, sample.context), retention=round(read, 4),
+            score=score(sample.task, text, sample.answers), sample=index, depth=depth,
+            fast_retention=None if fast_read is None else round(fast_read, 4),
+            slow_steps=stats.slow_steps if stats is not None else None, output=text))
+    return rows
+
+
+def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
+                   runs: list[tuple[Method, float]], ids: torch.Tensor,
+                   window: int) -> list[EvalRow]:
+    context = sample.context
+    compared = [(m, b) for m, b in runs if m.kind != "full"]
+    names = [f"{m.name}@{b:g}" for m, b in compared]
+    factories = {name: (lambda m=m, b=b: m.build(model, tokenizer, context, b))
+                 for name, (m, b) in zip(names, compared)}
+    history = any(m.needs_history for m, _ in compared)
+    prefill = SharedPrefill(model, ids[:, : context - window], history=history)
+    results = teacher_forced_fidelity(model, ids, context, factories, tokenizer=tokenizer,
+                                      window=window, prefix=prefill)
+    rows = []
+    ppl_full = results[0].ppl_full if results else None
+    if any(m.kind == "full" for m, _ in runs):
+        rows.append(EvalRow("fidelity", sample.target, context, "full", 1.0, context, 1.0, 100.0,
+                            index,
+                            kl=0.0, top1=1.0, ppl=ppl_full, ppl_full=ppl_full))
+    for (method, budget), result in zip(compared, results):
+        rows.append(EvalRow(
+            task="fidelity", context=sample.target, prompt_tokens=context, method=method.name,
+            budget=budget,
+            capacity=budget_tokens(budget, context), retention=round(result.retention, 4),
+            score=round(100.0 * result.top1, 3), sample=index,
+            fast_retention=(None if result.fast_retention is None
+                            else round(result.fast_retention, 4)),
+            slow_steps=len(result.slow_steps), kl=round(result.kl_mean, 6),
+            top1=round(result.top1, 6), ppl=round(result.ppl, 4), ppl_full=round(ppl_full, 4),
+            kl_per_step=result.kl_per_step, slow_step_indices=result.slow_steps))
+    return rows
+
+
+def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
+             contexts: Sequence[int], methods: Sequence[str], budgets: Sequence[float],
+             samples: int, seed: int = 0, window: int = WINDOW,
+             fidelity_tokens: int = FIDELITY_TOKENS,
+             on_sample: Callable[[str, int, int], None] | None = None) -> list[EvalRow]:
+    """Evaluate ``methods`` (names, or ``name@budget``) at each of ``budgets`` on ``samples``
+    seeded samples of each task and context length. ``on_sample(task, context, index)``
+    reports progress."""
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise SFIError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    if samples < 1:
+        raise SFIError(f"samples must be >= 1, got {samples}")
+    runs = parse_runs(methods, budgets)
+    for _, budget in runs:
+        budget_tokens(budget, max(contexts))  # validate before any prefill
+    rows: list[EvalRow] = []
+    for context in contexts:
+        for task in tasks:
+            for index in range(samples):
+                if on_sample is not None:
+                    on_sample(task, context, index)
+                sample = make_sample(task, tokenizer, context, seed + index,
+                                     depth=_depth(task, index, samples),
+                                     continuation=fidelity_tokens)
+                rows.extend(evaluate_sample(model, tokenizer, sample, index, runs, window))
+    return rows

@@ -1,0 +1,141 @@
+"""The evaluation harness: row schema, shared-prefill equivalence, report and plots, the CLI,
+and the support-stability analysis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_cli import run_cli
+
+from sfi.errors import SFIError
+from sfi.eval.methods import budget_tokens, parse_method, sfi_config_for
+from sfi.eval.report import markdown, plot_all, summarize
+from sfi.eval.runner import greedy_continue, parse_runs, run_eval
+from sfi.eval.stability import jaccard, support_stability
+from sfi.eval.tasks import make_sample
+from sfi.eviction import EvictionCache
+from sfi.prefix import SharedPrefill
+
+ROW_KEYS = {"task", "context", "prompt_tokens", "method", "budget", "capacity", "retention",
+            "score", "sample"}
+
+
+def test_eval_rows_summary_report_and_plots(tiny_llama_with_tokenizer, tmp_path):
+    model, tok = tiny_llama_with_tokenizer
+    methods = ["full", "sfi", "snapkv@0.5", "h2o", "quest", "sfi+quest"]
+    rows = run_eval(model, tok, ["niah", "fidelity"], [400], methods, [0.3], samples=2,
+                    fidelity_tokens=8)
+    dicts = [r.to_dict() for r in rows]
+    assert len(dicts) == 2 * 6 + 2 * 6  # niah: every method; fidelity: full + 5 compared
+    for row in dicts:
+        assert set(row) >= ROW_KEYS
+        assert 0.0 <= row["score"] <= 100.0 and 0.0 < row["retention"] <= 1.0
+        assert row["context"] == 400
+    fidelity = [r for r in dicts if r["task"] == "fidelity"]
+    assert all({"kl", "top1", "ppl"} <= set(r) for r in fidelity)
+    assert {r["depth"] for r in dicts if r["task"] == "niah"} == {0.0, 1.0}
+    by_method = {(r["method"], r["budget"]): r for r in dicts if r["task"] == "niah"}
+    assert by_method[("full", 1.0)]["retention"] == 1.0
+    assert by_method[("snapkv", 0.5)]["capacity"] == budget_tokens(0.5, 400)
+    assert 0.25 < by_method[("h2o", 0.3)]["retention"] < 0.36
+    result = {"model": "tiny", "tasks": ["niah", "fidelity"], "contexts": [400], "samples": 2,
+              "seed": 0, "rows": dicts}
+    result["summary"] = summarize(dicts)
+    assert {e["label"] for e in result["summary"]} == {
+        "full", "sfi@0.3", "snapkv@0.5", "h2o@0.3", "quest@0.3", "sfi+quest@0.3"}
+    plots = plot_all(result, tmp_path)
+    assert {p.rsplit("/", 1)[1] for p in plots} == {"score_vs_budget.png", "niah_heatmap.png",
+                                                    "fidelity_kl.png"}
+    report = markdown(result, plots)
+    assert "| context | method | retention | niah | avg | top1 % | KL | ppl |" in report
+
+
+@pytest.mark.parametrize("name", ["full", "sfi", "sfi+snapkv", "snapkv", "h2o", "tova", "quest"])
+def test_a_shared_prefill_continues_exactly_like_a_fresh_prefill(name, tiny_llama_with_tokenizer):
+    model, tok = tiny_llama_with_tokenizer
+    sample = make_sample("niah", tok, 300, seed=0)
+    ids = torch.tensor([sample.prompt_ids])
+    method = parse_method(name)
+    shared = SharedPrefill(model, ids[:, :-32], history=method.needs_history)
+    cloned = method.build(model, tok, sample.context, 0.3)
+    tokens = greedy_continue(model, cloned, shared, ids, 12, stop=set())
+    fresh = method.build(model, tok, sample.context, 0.3)
+    assert greedy_continue(model, fresh, None, ids, 12, stop=set()) == tokens
+    if isinstance(cloned, EvictionCache):
+        for a, b in zip(cloned.layers, fresh.layers):
+            assert torch.equal(a.keep, b.keep)
+
+
+def test_method_names_and_budgets():
+    runs = parse_runs(["full", "sfi", "snapkv@0.5", "sfi+tova"], [0.15, 0.2])
+    assert [(m.name, b) for m, b in runs] == [
+        ("full", 1.0), ("sfi", 0.15), ("sfi", 0.2), ("snapkv", 0.5), ("sfi+tova", 0.15),
+        ("sfi+tova", 0.2)]
+    assert budget_tokens(0.15, 4096) == 615 and budget_tokens(1024, 4096) == 1024
+    config = sfi_config_for(615)
+    assert (config.sink, config.recent, config.k_head) == (4, 256, 355)
+    assert sfi_config_for(100).recent == 50
+    for bad, message in ((["sfi+pyramidkv"], "own budget"), (["lru"], "unknown method"),
+                         (["snapkv@half"], "must be a number")):
+        with pytest.raises(SFIError, match=message):
+            parse_runs(bad, [0.1])
+    with pytest.raises(SFIError, match="whole"):
+        budget_tokens(10.5, 100)
+    with pytest.raises(SFIError, match="positive"):
+        budget_tokens(-1, 100)
+
+
+def test_jaccard():
+    a = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
+    b = torch.tensor([[1, 2, 3, 4], [3, 4, 5, 6]])
+    assert jaccard(a, b).tolist() == pytest.approx([1.0, 2 / 6])
+
+
+def test_stability_series_and_a_memory_that_holds_everything(tiny_llama_with_tokenizer):
+    model, tok = tiny_llama_with_tokenizer
+    sample = make_sample("fidelity", tok, 400, seed=1, continuation=40)
+    ids = torch.tensor([sample.prompt_ids])
+    from sfi import SFIConfig
+
+    everything = SFIConfig(recent=16, k_head=None, k_fraction=1.0)
+    result = support_stability(model, tok, ids, 400, everything, top_k=8)
+    assert len(result.consecutive) == len(result.to_boundary) == len(result.captured) == 40
+    assert all(0.0 <= j <= 1.0 for j in result.consecutive + result.to_boundary)
+    assert all(abs(c - 1.0) < 1e-4 for c in result.captured)  # K covers the whole middle
+    assert result.boundaries[0] == 0 and result.refreshes[0] == 0
+    small = support_stability(model, tok, ids, 400, SFIConfig(recent=16, k_head=8), top_k=8)
+    assert max(small.captured) < 1.0
+    assert {"jaccard_within_sentence", "jaccard_across_boundary",
+            "captured_mass_fast_steps"} <= set(small.summary)
+
+
+@pytest.mark.model
+def test_eval_and_analyze_commands(default_model, tmp_path):
+    result = run_cli("eval", "--tasks", "passkey", "--contexts", "600", "--samples", "1",
+                     "--methods", "full,sfi,tova@0.5", "--budget", "0.3", "--json",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert [(r["method"], r["budget"]) for r in out["rows"]] == [
+        ("full", 1.0), ("sfi", 0.3), ("tova", 0.5)]
+    assert {"results.json", "report.md", "score_vs_budget.png"} <= {
+        p.name for p in tmp_path.iterdir()}
+    analysis = run_cli("analyze", "--context", "700", "--tokens", "24", "--top-k", "16",
+                       "--json")
+    assert analysis.returncode == 0, analysis.stderr
+    summary = json.loads(analysis.stdout)["summary"]
+    assert 0.0 < summary["captured_mass_fast_steps"] <= 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "sfi+pyramidkv"], "own budget"),
+    (["--tasks", "haystack"], "unknown haystack"),
+    (["--budget", "0"], "positive"),
+    (["--contexts", "abc"], "comma-separated integers"),
+])
+def test_eval_bad_input_exits_with_a_message(args, message):
+    result = run_cli("eval", *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
