@@ -11,7 +11,7 @@ from test_cli import run_cli
 
 from sfi.errors import SFIError
 from sfi.eval.methods import budget_tokens, parse_method, sfi_config_for
-from sfi.eval.report import markdown, plot_all, summarize
+from sfi.eval.report import markdown, merge_results, plot_all, summarize
 from sfi.eval.runner import greedy_continue, parse_runs, run_eval
 from sfi.eval.stability import jaccard, support_stability
 from sfi.eval.tasks import make_sample
@@ -40,9 +40,15 @@ def test_eval_rows_summary_report_and_plots(tiny_llama_with_tokenizer, tmp_path)
     assert by_method[("full", 1.0)]["retention"] == 1.0
     assert by_method[("snapkv", 0.5)]["capacity"] == budget_tokens(0.5, 400)
     assert 0.25 < by_method[("h2o", 0.3)]["retention"] < 0.36
+    assert {r["sample"] for r in dicts} == {0, 1}  # the samples' seeds
     result = {"model": "tiny", "tasks": ["niah", "fidelity"], "contexts": [400], "samples": 2,
               "seed": 0, "rows": dicts}
     result["summary"] = summarize(dicts)
+    merged = merge_results([result, {**result, "rows": [{**r, "sample": r["sample"] + 2}
+                                                       for r in dicts]}])
+    assert merged["samples"] == 4 and len(merged["rows"]) == 2 * len(dicts)
+    assert next(e for e in merged["summary"] if e["label"] == "full")["samples"] == {
+        "niah": 4, "fidelity": 4}
     assert {e["label"] for e in result["summary"]} == {
         "full", "sfi@0.3", "snapkv@0.5", "h2o@0.3", "quest@0.3", "sfi+quest@0.3"}
     plots = plot_all(result, tmp_path)
@@ -122,6 +128,11 @@ def test_eval_and_analyze_commands(default_model, tmp_path):
         ("full", 1.0), ("sfi", 0.3), ("tova", 0.5)]
     assert {"results.json", "report.md", "score_vs_budget.png"} <= {
         p.name for p in tmp_path.iterdir()}
+    merged = run_cli("report", str(tmp_path / "results.json"), str(tmp_path / "results.json"),
+                     "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, merged.stderr
+    assert len(json.loads((tmp_path / "merged" / "results.json").read_text())["rows"]) == 6
+    assert run_cli("report", str(tmp_path / "nope.json"), "--out", str(tmp_path)).returncode == 2
     analysis = run_cli("analyze", "--context", "700", "--tokens", "24", "--top-k", "16",
                        "--json")
     assert analysis.returncode == 0, analysis.stderr

@@ -317,7 +317,7 @@ def eval_cmd(
                                              "here")] = None,
 ) -> None:
     """Long-context quality of SFI against full attention and KV-eviction baselines."""
-    from sfi.eval.report import markdown, plot_all, summarize
+    from sfi.eval.report import summarize, write_report
     from sfi.eval.runner import parse_runs, run_eval
     from sfi.eval.tasks import TASKS
 
@@ -351,10 +351,7 @@ def eval_cmd(
         "rows": [r.to_dict() for r in rows]}
     result["summary"] = summarize(result["rows"])
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-        plots = plot_all(result, out)
-        (out / "report.md").write_text(markdown(result, plots), encoding="utf-8")
+        write_report(result, out)
     if as_json:
         print(json.dumps(result))
         return
@@ -374,6 +371,27 @@ def _print_eval(result: dict[str, Any]) -> None:
     for row in cells:
         table.add_row(*row)
     Console().print(table)
+@app.command("report")
+def report_cmd(
+    results: Annotated[list[Path], typer.Argument(help="results.json files of sfi eval runs "
+                                                  "of one model")],
+    out: Annotated[Path, typer.Option(help="write the merged results.json, report.md and "
+                                      "plots here")],
+) -> None:
+    """Merge several ``sfi eval --out`` runs into one report (rows are kept as they are)."""
+    from sfi.eval.report import merge_results, write_report
+
+    loaded = []
+    for path in results:
+        if not path.is_file():
+            raise SFIError(f"{path} does not exist")
+        try:
+            loaded.append(json.loads(path.read_text(encoding="utf-8")))
+        except json.JSONDecodeError as exc:
+            raise SFIError(f"{path} is not JSON: {exc}") from None
+    write_report(merge_results(loaded), out)
+    err.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and the plots")
+
 
 @app.command("analyze")
 def analyze_cmd(

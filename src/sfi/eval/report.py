@@ -7,6 +7,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from sfi.errors import SFIError
 from sfi.eval.tasks import TASKS
 
 Row = dict[str, Any]
@@ -96,6 +97,40 @@ def markdown(result: Row, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(result: Row, folder: Path) -> None:
+    """``results.json`` first (so that nothing measured is lost), then the plots and
+    ``report.md``."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    plots = plot_all(result, folder)
+    (folder / "report.md").write_text(markdown(result, plots), encoding="utf-8")
+
+
+def merge_results(results: list[Row]) -> Row:
+    """Several runs of one model as one result: rows concatenated, settings united, the
+    summary recomputed."""
+    if not results:
+        raise SFIError("nothing to merge")
+    models = {r["model"] for r in results}
+    if len(models) != 1:
+        raise SFIError(f"merge runs of one model at a time, got {', '.join(sorted(models))}")
+    rows = [row for r in results for row in r["rows"]]
+    merged: Row = {
+        "model": models.pop(),
+        "tasks": [t for t in TASKS if any(t in r["tasks"] for r in results)],
+        "contexts": sorted({c for r in results for c in r["contexts"]}),
+        "samples": len({(row["task"], row["context"], row["sample"]) for row in rows}
+                       ) // max(1, len({(row["task"], row["context"]) for row in rows})),
+        "seed": results[0]["seed"],
+        "command": " ; ".join(r.get("command", "sfi eval") for r in results),
+        "rows": rows,
+    }
+    merged["summary"] = summarize(rows)
+    return merged
+
+
 def plot_all(result: Row, folder: Path) -> list[str]:
     """Write every plot that the result has data for; return their paths."""
     import matplotlib
@@ -182,12 +217,12 @@ def plot_fidelity_kl(result: Row, folder: Path) -> str | None:
     SFI's slow steps marked."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["task"] == "fidelity" and r.get("kl_per_step")
-            and r["sample"] == 0]
+    rows = [r for r in result["rows"] if r["task"] == "fidelity" and r.get("kl_per_step")]
     if not rows:
         return None
-    context = rows[0]["context"]
-    rows = [r for r in rows if r["context"] == context]
+    first = rows[0]
+    rows = [r for r in rows if r["context"] == first["context"] and r["sample"] == first["sample"]]
+    context = first["context"]
     fig, ax = plt.subplots(figsize=(9, 4))
     for r in rows:
         kl = r["kl_per_step"]

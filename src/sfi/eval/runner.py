@@ -40,7 +40,7 @@ class EvalRow:
     capacity: int
     retention: float
     score: float
-    sample: int
+    sample: int  # the sample's seed
     depth: float | None = None
     fast_retention: float | None = None
     slow_steps: int | None = None
@@ -203,5 +203,5 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
                 sample = make_sample(task, tokenizer, context, seed + index,
                                      depth=_depth(task, index, samples),
                                      continuation=fidelity_tokens)
-                rows.extend(evaluate_sample(model, tokenizer, sample, index, runs, window))
+                rows.extend(evaluate_sample(model, tokenizer, sample, seed + index, runs, window))
     return rows
