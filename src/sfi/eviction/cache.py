@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from sfi.cache import set_active_layer
 from sfi.errors import SFIError, UnsupportedModelError
+from sfi.eviction.policies import EvictionPolicy
 from sfi.kernels import attention_logits, dense_attention, dense_fallback
 from sfi.scorers import Evidence
 
@@ -155,7 +156,7 @@ class EvictionCache(Cache):
             every layer (for analyses).
     """
 
-    def __init__(self, model: torch.nn.Module, policy: Any = None,
+    def __init__(self, model: torch.nn.Module, policy: EvictionPolicy | None = None,
                  track_attention: bool | None = None, observer: Observer | None = None):
         from sfi.attention import route_model
 

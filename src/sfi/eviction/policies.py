@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +18,9 @@ from sfi.errors import SFIError
 from sfi.scorers import Evidence
 from sfi.scorers.quest import page_bounds, page_scores
 from sfi.scorers.snapkv import SnapKVScorer
+
+if TYPE_CHECKING:
+    from sfi.eviction.cache import EvictionLayer
 
 
 def keep_top(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
@@ -33,7 +36,7 @@ def keep_top(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Te
     return chosen.scatter(-1, torch.topk(ranked, k, dim=-1).indices, True)
 
 
-def _positions(layer: Any) -> torch.Tensor:
+def _positions(layer: EvictionLayer) -> torch.Tensor:
     return torch.arange(layer.length, device=layer.keep.device)
 
 
@@ -51,14 +54,14 @@ class EvictionPolicy:
         if self.capacity < 1:
             raise SFIError(f"an eviction budget must be at least 1 token, got {self.capacity}")
 
-    def after_prefill(self, layer: Any, evidence: Evidence | None) -> None:
+    def after_prefill(self, layer: EvictionLayer, evidence: Evidence | None) -> None:
         """Compress ``layer.keep`` once the prompt is in the cache."""
 
-    def step_mask(self, layer: Any, query: torch.Tensor) -> torch.Tensor | None:
+    def step_mask(self, layer: EvictionLayer, query: torch.Tensor) -> torch.Tensor | None:
         """``[B, H, T]`` positions this decode step may read (query ``[B, H, G, D]``)."""
         return None
 
-    def after_step(self, layer: Any, attention: torch.Tensor) -> None:
+    def after_step(self, layer: EvictionLayer, attention: torch.Tensor) -> None:
         """Evict after a decode step whose attention was ``[B, H, G, T]``."""
 
 
@@ -68,14 +71,14 @@ class StreamingLLM(EvictionPolicy):
 
     sink: int = 4
 
-    def _slide(self, layer: Any) -> None:
+    def _slide(self, layer: EvictionLayer) -> None:
         pos = _positions(layer)
         layer.keep &= (pos < self.sink) | (pos >= layer.length - (self.capacity - self.sink))
 
-    def after_prefill(self, layer: Any, evidence: Evidence | None) -> None:
+    def after_prefill(self, layer: EvictionLayer, evidence: Evidence | None) -> None:
         self._slide(layer)
 
-    def after_step(self, layer: Any, attention: torch.Tensor) -> None:
+    def after_step(self, layer: EvictionLayer, attention: torch.Tensor) -> None:
         self._slide(layer)
 
 
@@ -88,10 +91,10 @@ class SnapKV(EvictionPolicy):
     kernel: int = 5
     pooling: str = "avg"
 
-    def layer_budget(self, layer: Any, length: int) -> int:
+    def layer_budget(self, layer: EvictionLayer, length: int) -> int:
         return self.capacity - self.window
 
-    def after_prefill(self, layer: Any, evidence: Evidence | None) -> None:
+    def after_prefill(self, layer: EvictionLayer, evidence: Evidence | None) -> None:
         t = layer.length
         if evidence is None or t <= self.capacity:
             return
@@ -108,7 +111,7 @@ class PyramidKV(SnapKV):
 
     beta: int = 20
 
-    def layer_budget(self, layer: Any, length: int) -> int:
+    def layer_budget(self, layer: EvictionLayer, length: int) -> int:
         flat = self.capacity - self.window
         low = flat // self.beta
         high = 2 * flat - low
@@ -129,7 +132,7 @@ class H2O(EvictionPolicy):
     def recent(self) -> int:
         return self.capacity - self.capacity // 2
 
-    def after_prefill(self, layer: Any, evidence: Evidence | None) -> None:
+    def after_prefill(self, layer: EvictionLayer, evidence: Evidence | None) -> None:
         t = layer.length
         if t <= self.capacity:
             return
@@ -138,7 +141,7 @@ class H2O(EvictionPolicy):
         scores = layer.history
         layer.keep &= keep_top(scores, older, self.capacity // 2) | (pos >= t - self.recent)
 
-    def after_step(self, layer: Any, attention: torch.Tensor) -> None:
+    def after_step(self, layer: EvictionLayer, attention: torch.Tensor) -> None:
         older = layer.keep & (_positions(layer) < layer.length - self.recent)
         over = layer.keep.sum(dim=-1) > self.capacity  # [B, H]; one token joined this step
         if not bool(over.any()):
@@ -155,7 +158,7 @@ class TOVA(EvictionPolicy):
 
     window: int = 1
 
-    def after_prefill(self, layer: Any, evidence: Evidence | None) -> None:
+    def after_prefill(self, layer: EvictionLayer, evidence: Evidence | None) -> None:
         t = layer.length
         if evidence is None or t <= self.capacity:
             return
@@ -165,7 +168,7 @@ class TOVA(EvictionPolicy):
         scores = last.mean(dim=(1, 2))[:, None, :].expand(b, h, t)
         layer.keep &= keep_top(scores, torch.ones_like(layer.keep), self.capacity)
 
-    def after_step(self, layer: Any, attention: torch.Tensor) -> None:
+    def after_step(self, layer: EvictionLayer, attention: torch.Tensor) -> None:
         kept = layer.keep[:, 0]  # [B, T], shared by the heads
         over = kept.sum(dim=-1) > self.capacity  # [B]
         if not bool(over.any()):
@@ -185,7 +188,7 @@ class Quest(EvictionPolicy):
     page: int = 16
     dense_layers: int = 2
 
-    def step_mask(self, layer: Any, query: torch.Tensor) -> torch.Tensor | None:
+    def step_mask(self, layer: EvictionLayer, query: torch.Tensor) -> torch.Tensor | None:
         t = layer.length
         if layer.layer_idx < self.dense_layers or t <= self.capacity:
             return None
