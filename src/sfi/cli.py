@@ -312,6 +312,9 @@ def eval_cmd(
     seed: Annotated[int, typer.Option(help="seed of the task generators")] = 0,
     fidelity_tokens: Annotated[int, typer.Option(help="teacher-forced continuation length")] =
         512,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="an SFIConfig field for the "
+                                                   "SFI methods, name=value (repeatable); the "
+                                                   "budget sets sink + K + recent")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     out: Annotated[Path | None, typer.Option(help="write results.json, report.md and plots "
                                              "here")] = None,
@@ -326,6 +329,7 @@ def eval_cmd(
     method_list = _name_list("--methods", methods)
     budgets = _float_list("--budget", budget)
     parse_runs(method_list, budgets)  # unknown methods fail before the model loads
+    base = build_config(extra=set_)
     if samples < 1 or fidelity_tokens < 1:
         raise SFIError("--samples and --fidelity-tokens must be >= 1")
     loaded_model, tokenizer = _load(model, as_json)
@@ -343,10 +347,11 @@ def eval_cmd(
             started[0] += 1
 
         rows = run_eval(loaded_model, tokenizer, task_list, context_list, method_list, budgets,
-                        samples, seed=seed, fidelity_tokens=fidelity_tokens, on_sample=advance)
+                        samples, seed=seed, fidelity_tokens=fidelity_tokens, base=base,
+                        on_sample=advance)
     result: dict[str, Any] = {
         "model": model, "tasks": task_list, "contexts": context_list, "methods": method_list,
-        "budgets": budgets, "samples": samples, "seed": seed,
+        "budgets": budgets, "samples": samples, "seed": seed, "sfi_overrides": set_ or [],
         "command": "sfi eval " + " ".join(sys.argv[2:]),
         "rows": [r.to_dict() for r in rows]}
     result["summary"] = summarize(result["rows"])

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from sfi.config import SFIConfig
 from sfi.decode import cache_argument, eos_token_ids
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
@@ -116,13 +117,15 @@ def _depth(task: str, sample: int, samples: int) -> float | None:
 
 
 def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
-                    runs: list[tuple[Method, float]], window: int = WINDOW) -> list[EvalRow]:
-    """Every (method, budget) of ``runs`` on one sample, sharing its prefill."""
+                    runs: list[tuple[Method, float]], window: int = WINDOW,
+                    base: SFIConfig | None = None) -> list[EvalRow]:
+    """Every (method, budget) of ``runs`` on one sample, sharing its prefill; ``base`` holds
+    the SFI knobs other than the budget."""
     device = next(model.parameters()).device
     ids = torch.tensor([sample.prompt_ids], device=device)
     depth = sample.depths[0] if sample.task == "niah" else None
     if sample.task == "fidelity":
-        return _fidelity_rows(model, tokenizer, sample, index, runs, ids, window)
+        return _fidelity_rows(model, tokenizer, sample, index, runs, ids, window, base)
     if sample.context <= window:
         raise SFIError(f"a prompt of {sample.context} tokens is too short for a {window}-token "
                        "window")
@@ -131,7 +134,7 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
     stop = set(eos_token_ids(model, tokenizer))
     rows = []
     for method, budget in runs:
-        cache = method.build(model, tokenizer, sample.context, budget)
+        cache = method.build(model, tokenizer, sample.context, budget, base)
         tokens = greedy_continue(model, cache, prefill, ids, sample.max_new_tokens, stop)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         read, fast_read = retention(cache)
@@ -148,11 +151,11 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
 
 def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
                    runs: list[tuple[Method, float]], ids: torch.Tensor,
-                   window: int) -> list[EvalRow]:
+                   window: int, base: SFIConfig | None) -> list[EvalRow]:
     context = sample.context
     compared = [(m, b) for m, b in runs if m.kind != "full"]
     names = [f"{m.name}@{b:g}" for m, b in compared]
-    factories = {name: (lambda m=m, b=b: m.build(model, tokenizer, context, b))
+    factories = {name: (lambda m=m, b=b: m.build(model, tokenizer, context, b, base))
                  for name, (m, b) in zip(names, compared)}
     history = any(m.needs_history for m, _ in compared)
     prefill = SharedPrefill(model, ids[:, : context - window], history=history)
@@ -181,11 +184,11 @@ def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index
 def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
              contexts: Sequence[int], methods: Sequence[str], budgets: Sequence[float],
              samples: int, seed: int = 0, window: int = WINDOW,
-             fidelity_tokens: int = FIDELITY_TOKENS,
+             fidelity_tokens: int = FIDELITY_TOKENS, base: SFIConfig | None = None,
              on_sample: Callable[[str, int, int], None] | None = None) -> list[EvalRow]:
     """Evaluate ``methods`` (names, or ``name@budget``) at each of ``budgets`` on ``samples``
-    seeded samples of each task and context length. ``on_sample(task, context, index)``
-    reports progress."""
+    seeded samples of each task and context length; ``base`` sets SFI's knobs other than the
+    budget. ``on_sample(task, context, index)`` reports progress."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise SFIError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
@@ -203,5 +206,6 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
                 sample = make_sample(task, tokenizer, context, seed + index,
                                      depth=_depth(task, index, samples),
                                      continuation=fidelity_tokens)
-                rows.extend(evaluate_sample(model, tokenizer, sample, seed + index, runs, window))
+                rows.extend(evaluate_sample(model, tokenizer, sample, seed + index, runs, window,
+                                            base))
     return rows
