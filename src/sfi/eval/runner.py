@@ -8,6 +8,7 @@ costs one prefill per sample plus short decodes.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -208,4 +209,5 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
                                      continuation=fidelity_tokens)
                 rows.extend(evaluate_sample(model, tokenizer, sample, seed + index, runs, window,
                                             base))
+                gc.collect()  # caches reference their layers and back: free their KV now
     return rows
