@@ -121,11 +121,11 @@ def test_stability_series_and_a_memory_that_holds_everything(tiny_llama_with_tok
 def test_eval_and_analyze_commands(default_model, tmp_path):
     result = run_cli("eval", "--tasks", "passkey", "--contexts", "600", "--samples", "1",
                      "--methods", "full,sfi,tova@0.5", "--budget", "0.3", "--json",
-                     "--set", "nms_strength=0", "--out", str(tmp_path))
+                     "--set", "nms_strength=0", "--tag", "no-nms", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert [(r["method"], r["budget"]) for r in out["rows"]] == [
-        ("full", 1.0), ("sfi", 0.3), ("tova", 0.5)]
+        ("full:no-nms", 1.0), ("sfi:no-nms", 0.3), ("tova:no-nms", 0.5)]
     assert out["sfi_overrides"] == ["nms_strength=0"]
     assert {"results.json", "report.md", "score_vs_budget.png"} <= {
         p.name for p in tmp_path.iterdir()}

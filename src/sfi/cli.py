@@ -315,6 +315,8 @@ def eval_cmd(
     set_: Annotated[list[str] | None, typer.Option("--set", help="an SFIConfig field for the "
                                                    "SFI methods, name=value (repeatable); the "
                                                    "budget sets sink + K + recent")] = None,
+    tag: Annotated[str, typer.Option(help="appended to the method names of this run's rows "
+                                     "(method:tag), to merge variants with sfi report")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     out: Annotated[Path | None, typer.Option(help="write results.json, report.md and plots "
                                              "here")] = None,
@@ -324,6 +326,8 @@ def eval_cmd(
     from sfi.eval.runner import parse_runs, run_eval
     from sfi.eval.tasks import TASKS
 
+    if tag and not tag.replace("-", "").replace("_", "").isalnum():
+        raise SFIError(f"--tag takes letters, digits, '-' and '_', got {tag!r}")
     task_list = _name_list("--tasks", tasks, TASKS)
     context_list = _int_list("--contexts", contexts)
     method_list = _name_list("--methods", methods)
@@ -348,7 +352,7 @@ def eval_cmd(
 
         rows = run_eval(loaded_model, tokenizer, task_list, context_list, method_list, budgets,
                         samples, seed=seed, fidelity_tokens=fidelity_tokens, base=base,
-                        on_sample=advance)
+                        tag=tag, on_sample=advance)
     result: dict[str, Any] = {
         "model": model, "tasks": task_list, "contexts": context_list, "methods": method_list,
         "budgets": budgets, "samples": samples, "seed": seed, "sfi_overrides": set_ or [],

@@ -186,10 +186,13 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
              contexts: Sequence[int], methods: Sequence[str], budgets: Sequence[float],
              samples: int, seed: int = 0, window: int = WINDOW,
              fidelity_tokens: int = FIDELITY_TOKENS, base: SFIConfig | None = None,
-             on_sample: Callable[[str, int, int], None] | None = None) -> list[EvalRow]:
+             tag: str = "", on_sample: Callable[[str, int, int], None] | None = None
+             ) -> list[EvalRow]:
     """Evaluate ``methods`` (names, or ``name@budget``) at each of ``budgets`` on ``samples``
     seeded samples of each task and context length; ``base`` sets SFI's knobs other than the
-    budget. ``on_sample(task, context, index)`` reports progress."""
+    budget. A ``tag`` is appended to every method name of the rows (``sfi:tag``), so that runs
+    of variants can be merged into one report. ``on_sample(task, context, index)`` reports
+    progress."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise SFIError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
@@ -210,4 +213,7 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
                 rows.extend(evaluate_sample(model, tokenizer, sample, seed + index, runs, window,
                                             base))
                 gc.collect()  # caches reference their layers and back: free their KV now
+    if tag:
+        for row in rows:
+            row.method = f"{row.method}:{tag}"
     return rows
