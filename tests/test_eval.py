@@ -107,7 +107,7 @@ def test_stability_series_and_a_memory_that_holds_everything(tiny_llama_with_tok
 
     everything = SFIConfig(recent=16, k_head=None, k_fraction=1.0)
     result = support_stability(model, tok, ids, 400, everything, top_k=8)
-    assert len(result.consecutive) == len(result.to_boundary) == len(result.captured) == 40
+    assert len(result.to_boundary) == len(result.captured) == len(result.consecutive) + 1 == 40
     assert all(0.0 <= j <= 1.0 for j in result.consecutive + result.to_boundary)
     assert all(abs(c - 1.0) < 1e-4 for c in result.captured)  # K covers the whole middle
     assert result.boundaries[0] == 0 and result.refreshes[0] == 0

@@ -39,7 +39,8 @@ def jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StabilityResult:
-    """Per-step series (averaged over layers and KV heads) and their summary."""
+    """Per-step series (averaged over layers and KV heads) and their summary.
+    ``consecutive[i]`` compares step i + 1 with step i; the other series start at step 0."""
 
     context: int
     tokens: int
@@ -153,7 +154,8 @@ def support_stability(model: torch.nn.Module, tokenizer: Any, ids: torch.Tensor,
         model(input_ids=ids[:, context + step: context + step + 1],
               position_ids=torch.tensor([[context + step]], device=device), use_cache=True,
               **{key: cache})
-        result.consecutive.append(mean(recorder.step["consecutive"]) if step else 1.0)
+        if step:  # overlap with the previous step, from the second step on
+            result.consecutive.append(mean(recorder.step["consecutive"]))
         result.to_boundary.append(mean(recorder.step["to_boundary"]))
         result.captured.append(mean(recorder.step["captured"]))
         result.since_boundary.append(since)
@@ -165,8 +167,8 @@ def summarize_stability(result: StabilityResult) -> dict[str, Any]:
     """Within-sentence vs across-boundary overlap, overlap by steps since the boundary, and
     the captured mass on fast and on refresh steps."""
     boundary = set(result.boundaries)
-    within = [j for s, j in enumerate(result.consecutive) if s and s not in boundary]
-    across = [j for s, j in enumerate(result.consecutive) if s and s in boundary]
+    within = [j for s, j in enumerate(result.consecutive, start=1) if s not in boundary]
+    across = [j for s, j in enumerate(result.consecutive, start=1) if s in boundary]
     by_since: dict[str, float] = {}
     for low, high in zip(SINCE_BINS, (*SINCE_BINS[1:], 10**9)):
         values = [j for j, s in zip(result.to_boundary, result.since_boundary)
@@ -197,9 +199,9 @@ def plot_stability(result: StabilityResult, path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    steps = range(len(result.consecutive))
     ax = axes[0]
-    ax.plot(steps, result.consecutive, linewidth=0.9, color="tab:blue")
+    ax.plot(range(1, len(result.consecutive) + 1), result.consecutive, linewidth=0.9,
+            color="tab:blue")
     for b in result.boundaries[1:]:
         ax.axvline(b, color="tab:red", alpha=0.25, linewidth=0.8)
     ax.set_title(f"top-{result.top_k} support: Jaccard with the previous step\n"
@@ -210,13 +212,13 @@ def plot_stability(result: StabilityResult, path: str, title: str = "") -> None:
     grouped: dict[int, list[float]] = defaultdict(list)
     for j, s in zip(result.to_boundary, result.since_boundary):
         grouped[s].append(j)
-    xs = sorted(s for s in grouped if len(grouped[s]) >= 3)
+    xs = sorted(s for s in grouped if s and len(grouped[s]) >= 3)
     ax.plot(xs, [mean(grouped[s]) for s in xs], marker=".", color="tab:green")
     ax.set_title("Jaccard with the support at the sentence's first step", fontsize=9)
     ax.set_xlabel("steps since the sentence boundary")
     ax.set_ylim(0, 1)
     ax = axes[2]
-    ax.plot(steps, result.captured, linewidth=0.9, color="tab:purple")
+    ax.plot(range(len(result.captured)), result.captured, linewidth=0.9, color="tab:purple")
     ax.scatter(result.refreshes, [result.captured[s] for s in result.refreshes], marker="v",
                color="tab:red", s=18, zorder=3, label="refresh (slow step)")
     ax.set_title(f"attention mass in SFI's fast memory (K = {result.k_selected})", fontsize=9)
