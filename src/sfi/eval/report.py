@@ -46,7 +46,14 @@ def summarize(rows: list[Row]) -> list[Row]:
     order = {t: i for i, t in enumerate(TASKS)}
     for entry in out:
         entry["scores"] = dict(sorted(entry["scores"].items(), key=lambda kv: order[kv[0]]))
-    return out
+    return sorted(out, key=_table_order)
+
+
+def _table_order(entry: Row) -> tuple:
+    """Full attention first, then SFI and its variants, then the baselines; budgets rising."""
+    method = entry["method"]
+    family = 0 if method.startswith("full") else 1 if method.startswith("sfi") else 2
+    return entry["context"], family, method, entry["budget"]
 
 
 def tasks_of(summary: list[Row]) -> list[str]:
