@@ -47,6 +47,10 @@ def test_eval_rows_summary_report_and_plots(tiny_llama_with_tokenizer, tmp_path)
     merged = merge_results([result, {**result, "rows": [{**r, "sample": r["sample"] + 2}
                                                        for r in dicts]}])
     assert merged["samples"] == 4 and len(merged["rows"]) == 2 * len(dicts)
+    rerun = [{**r, "score": 50.0} for r in dicts if r["task"] == "niah"]
+    replaced = merge_results([result, {**result, "rows": rerun}])
+    assert len(replaced["rows"]) == len(dicts)
+    assert all(r["score"] == 50.0 for r in replaced["rows"] if r["task"] == "niah")
     assert next(e for e in merged["summary"] if e["label"] == "full")["samples"] == {
         "niah": 4, "fidelity": 4}
     assert {e["label"] for e in result["summary"]} == {
@@ -132,7 +136,7 @@ def test_eval_and_analyze_commands(default_model, tmp_path):
     merged = run_cli("report", str(tmp_path / "results.json"), str(tmp_path / "results.json"),
                      "--out", str(tmp_path / "merged"))
     assert merged.returncode == 0, merged.stderr
-    assert len(json.loads((tmp_path / "merged" / "results.json").read_text())["rows"]) == 6
+    assert len(json.loads((tmp_path / "merged" / "results.json").read_text())["rows"]) == 3
     assert run_cli("report", str(tmp_path / "nope.json"), "--out", str(tmp_path)).returncode == 2
     analysis = run_cli("analyze", "--context", "700", "--tokens", "24", "--top-k", "16",
                        "--json")

@@ -387,7 +387,8 @@ def report_cmd(
     out: Annotated[Path, typer.Option(help="write the merged results.json, report.md and "
                                       "plots here")],
 ) -> None:
-    """Merge several ``sfi eval --out`` runs into one report (rows are kept as they are)."""
+    """Merge several ``sfi eval --out`` runs of one model into one report; a later run's row
+    replaces an earlier one for the same task, context, sample, method and budget."""
     from sfi.eval.report import merge_results, write_report
 
     loaded = []

@@ -116,14 +116,20 @@ def write_report(result: Row, folder: Path) -> None:
 
 
 def merge_results(results: list[Row]) -> Row:
-    """Several runs of one model as one result: rows concatenated, settings united, the
-    summary recomputed."""
+    """Several runs of one model as one result: rows united (a row of a later run replaces one
+    of an earlier run with the same task, context, sample, method and budget), settings
+    united, the summary recomputed."""
     if not results:
         raise SFIError("nothing to merge")
     models = {r["model"] for r in results}
     if len(models) != 1:
         raise SFIError(f"merge runs of one model at a time, got {', '.join(sorted(models))}")
-    rows = [row for r in results for row in r["rows"]]
+    latest: dict[tuple, Row] = {}
+    for r in results:
+        for row in r["rows"]:
+            latest[(row["task"], row["context"], row["sample"], row["method"],
+                    row["budget"])] = row
+    rows = list(latest.values())
     merged: Row = {
         "model": models.pop(),
         "tasks": [t for t in TASKS if any(t in r["tasks"] for r in results)],

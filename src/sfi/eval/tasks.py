@@ -231,7 +231,7 @@ def _sequential(rng: random.Random) -> _Spec:
                  "ask for several of them in a given order.",
                  [f"The secret code of the {k} is {v}." for k, v in zip(keys, values)],
                  f"Give the secret codes of the {listed}, in exactly this order, one sentence "
-                 "each, in the form: The secret code of the X is N.",
+                 "for each code.",
                  f"The secret code of the {asked[0]} is", [values[i] for i in order], 64)
 
 
