@@ -225,6 +225,15 @@ def plot_niah_heatmaps(result: Row, folder: Path) -> str | None:
     return str(path)
 
 
+SMOOTHING = 16
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    """Centred moving average (shorter windows at the ends)."""
+    half = window // 2
+    return [mean(values[max(0, i - half): i + half + 1]) for i in range(len(values))]
+
+
 def plot_fidelity_kl(result: Row, folder: Path) -> str | None:
     """KL(full || method) along the teacher-forced continuation of the first fidelity sample,
     SFI's slow steps marked."""
@@ -238,16 +247,16 @@ def plot_fidelity_kl(result: Row, folder: Path) -> str | None:
     context = first["context"]
     fig, ax = plt.subplots(figsize=(9, 4))
     for r in rows:
-        kl = r["kl_per_step"]
-        line, = ax.plot(range(len(kl)), kl, linewidth=1.6 if r["method"].startswith("sfi")
-                        else 0.8, label=f"{label(r)} (mean {r['kl']:.3f})")
+        kl = _moving_average(r["kl_per_step"], SMOOTHING)
+        line, = ax.plot(range(len(kl)), kl, linewidth=1.8 if r["method"].startswith("sfi")
+                        else 0.9, label=f"{label(r)} (mean {r['kl']:.3f})")
         slow = r.get("slow_step_indices") or []
         if slow:
             ax.scatter(slow, [kl[i] for i in slow], marker="v", s=22, color=line.get_color(),
                        zorder=3)
-    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_yscale("log")
     ax.set_xlabel("continuation token (teacher-forced)")
-    ax.set_ylabel("KL(full || method), nats")
+    ax.set_ylabel(f"KL(full || method), nats ({SMOOTHING}-token moving average)")
     ax.set_title(f"{result['model']}: fidelity at {context} tokens of context "
                  "(triangles: SFI slow steps)")
     ax.grid(alpha=0.3)
