@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from sfi.config import SFIConfig
 from sfi.errors import SFIError, UnsupportedModelError
+from sfi.kernels import additive_bias
 from sfi.overlap import Rebuilder, StagedCompact, make_rebuilder
 from sfi.rows import Rows
 from sfi.scorers import Scorer
@@ -29,7 +30,6 @@ from sfi.selector import SFISelector
 from sfi.stats import DecodeStats
 from sfi.triggers import BOOTSTRAP, RefreshTrigger, TokenClasses, make_trigger, token_classes
 
-NEG_INF = float("-inf")
 _active = threading.local()
 
 
@@ -49,11 +49,6 @@ def take_active_layer(layer_idx: int) -> Any:
     if layer is not None and layer.layer_idx == layer_idx:
         return layer
     return None
-
-
-def _bias(allowed: torch.Tensor) -> torch.Tensor:
-    """Additive attention bias: 0 where ``allowed``, -inf elsewhere (float32)."""
-    return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, NEG_INF)
 
 
 @dataclass
@@ -534,7 +529,7 @@ class SlowFastCache(Cache):
         pads = torch.tensor([self.sequences[r].pad for r in rows], device=device)
         allowed = (key_pos[None, None, :] <= query_pos[None, :, None]) & (
             key_pos[None, None, :] >= pads[:, None, None])
-        return _bias(allowed)[:, None]
+        return additive_bias(allowed)[:, None]
 
     def _plan_fast(self, rows: list[int], total: int, device: torch.device) -> FastRows | None:
         if not rows:
@@ -549,9 +544,9 @@ class SlowFastCache(Cache):
         if max(starts) != read_start:
             positions = torch.arange(read_start, total, device=device)
             first = torch.tensor(starts, device=device)
-            recent_bias = _bias(positions[None, :] >= first[:, None])[:, None, None, :]
+            recent_bias = additive_bias(positions[None, :] >= first[:, None])[:, None, None, :]
         subset = self._rows(rows, device)
-        compact_bias = _bias(subset.take(self._compact_valid))[:, None, None, :]
+        compact_bias = additive_bias(subset.take(self._compact_valid))[:, None, None, :]
         return FastRows(subset, read_start, recent_bias, compact_bias)
 
     def pad_bias(self, total: int, device: torch.device) -> torch.Tensor | None:
@@ -561,7 +556,7 @@ class SlowFastCache(Cache):
             return None
         positions = torch.arange(total, device=device)
         allowed = positions[None, :] >= torch.tensor(pads, device=device)[:, None]
-        return _bias(allowed)[:, None, None, :]
+        return additive_bias(allowed)[:, None, None, :]
 
     def _ensure_compact_capacity(self, needed: int, device: torch.device) -> None:
         if needed <= self.compact_capacity:

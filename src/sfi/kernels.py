@@ -12,6 +12,11 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 
+def additive_bias(allowed: torch.Tensor) -> torch.Tensor:
+    """Additive attention bias: 0 where ``allowed``, -inf elsewhere (float32)."""
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
 def attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float,
                      softcap: float | None) -> torch.Tensor:
     """Scaled, soft-capped logits ``[..., Q, T]`` of ``q [..., Q, D]`` on ``k [..., T, D]``."""

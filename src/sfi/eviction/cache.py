@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from sfi.cache import set_active_layer
 from sfi.errors import SFIError, UnsupportedModelError
 from sfi.eviction.policies import EvictionPolicy
-from sfi.kernels import attention_logits, dense_attention, dense_fallback
+from sfi.kernels import additive_bias, attention_logits, dense_attention, dense_fallback
 from sfi.scorers import Evidence
 
 NEG_INF = float("-inf")
@@ -131,8 +131,8 @@ class EvictionLayer(DynamicLayer):
         if narrowed is not None:
             allowed = allowed & narrowed
         self.owner.record_read(float(allowed.float().mean()))
-        bias = torch.zeros(allowed.shape, device=keys.device).masked_fill(~allowed, NEG_INF)
-        out, logits = dense_attention(q, keys, values, bias[:, :, None, :], scale, softcap)
+        out, logits = dense_attention(q, keys, values, additive_bias(allowed)[:, :, None, :],
+                                      scale, softcap)
         attention = torch.softmax(logits, dim=-1)  # [B, H, G, T]
         if self.history is not None:
             self.history += attention.sum(dim=2)
