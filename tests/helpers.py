@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from sfi import SFIConfig, SlowFastCache
-from sfi.decode import cache_argument
+from sfi.hf import cache_argument
 
 
 @dataclass
@@ -18,20 +18,6 @@ class Lockstep:
     kinds: list[list[str]] = field(default_factory=list)  # per step, per row
     cache: SlowFastCache | None = None
     reference: DynamicCache | None = None
-
-
-def step_kinds(cache: SlowFastCache) -> list[str]:
-    plan = cache.plan
-    kinds = ["?"] * len(cache.sequences)
-    for row in plan.dense.indices:
-        kinds[row] = "dense"
-    if plan.slow:
-        for row in plan.slow.rows.indices:
-            kinds[row] = "slow"
-    if plan.fast:
-        for row in plan.fast.rows.indices:
-            kinds[row] = "fast"
-    return kinds
 
 
 @torch.inference_mode()
@@ -54,7 +40,7 @@ def lockstep(model, input_ids: torch.Tensor, config: SFIConfig, steps: int,
         b = model(**kwargs, **{key: out.reference}).logits[:, -1]
         out.sfi_logits.append(a)
         out.full_logits.append(b)
-        out.kinds.append(step_kinds(out.cache))
+        out.kinds.append(list(out.cache.step_kinds()))
         ids = b.argmax(-1, keepdim=True)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(ids.shape)], -1)
         positions = positions[:, -1:] + 1

@@ -10,10 +10,10 @@ import torch
 from conftest import tiny_model
 
 from sfi import SFIConfig
-from sfi.decode import cache_argument
 from sfi.errors import SFIError
 from sfi.eviction import EvictionCache, make_policy
 from sfi.eviction.policies import H2O, TOVA, PyramidKV, Quest, SnapKV, StreamingLLM
+from sfi.hf import cache_argument
 from sfi.scorers import Evidence
 from sfi.scorers.h2o import H2OScorer
 from sfi.scorers.quest import QuestScorer
@@ -27,7 +27,7 @@ def fake_layer(b=1, h=2, t=40, d=8, layer_idx=0, layers=4, history=False):
     return SimpleNamespace(
         length=t, keep=torch.ones(b, h, t, dtype=torch.bool),
         keys=torch.randn(b, h, t, d, generator=gen), layer_idx=layer_idx,
-        owner=SimpleNamespace(num_layers=layers),
+        num_layers=layers,
         history=torch.rand(b, h, t, generator=gen) if history else None)
 
 

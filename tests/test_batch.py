@@ -8,7 +8,7 @@ from helpers import lockstep
 
 import sfi
 from sfi import SFIConfig
-from sfi.cache import SlowFastLayer
+from sfi.layers import SlowFastLayer
 
 CONFIG = dict(sink=3, recent=8, k_head=10, force_sparse=True)
 
@@ -48,10 +48,11 @@ def _alone(model, prompt, batch, row, config):
     """Decode ``prompt`` alone, feeding the tokens the batch fed to ``row``; its random trigger
     is seeded like the batch's row ``row``."""
     from sfi import SlowFastCache
-    from sfi.decode import cache_argument
+    from sfi.hf import cache_argument
     from sfi.triggers import make_trigger
 
-    cache = SlowFastCache(model, config)
+    cache = SlowFastCache(model, config,
+                          trigger_factory=lambda cfg, _: make_trigger(cfg, None, row))
     key = cache_argument(model)
     out, tokens = [], prompt
     position = torch.arange(prompt.shape[1])[None]
@@ -59,8 +60,6 @@ def _alone(model, prompt, batch, row, config):
         for step in range(len(batch.sfi_logits)):
             out.append(model(input_ids=tokens, position_ids=position, use_cache=True,
                              **{key: cache}).logits[:, -1])
-            if step == 0:
-                cache.sequences[0].trigger = make_trigger(config, None, row)
             tokens = batch.full_logits[step][row].argmax(-1).view(1, 1)
             position = position[:, -1:] + 1
     return out
@@ -74,7 +73,7 @@ def test_padding_is_never_a_sink_nor_selected():
     run = lockstep(model, ids, SFIConfig(**CONFIG, trigger="fixed", period=4), steps=6,
                    attention_mask=mask)
     cache = run.cache
-    pad = cache.sequences[1].pad
+    pad = cache.padding(1)
     assert pad == 30
     for layer in cache.layers:
         assert isinstance(layer, SlowFastLayer)

@@ -8,8 +8,8 @@ from helpers import lockstep
 from transformers import DynamicCache
 
 from sfi import SFIConfig, SlowFastCache
-from sfi.cache import SlowFastLayer
-from sfi.decode import cache_argument
+from sfi.hf import cache_argument
+from sfi.layers import SlowFastLayer
 
 
 def _layers(cache):
@@ -22,16 +22,18 @@ def test_selected_positions_lie_in_the_middle_distinct_and_sized():
     config = SFIConfig(sink=4, recent=16, k_head=20, force_sparse=True, trigger="fixed", period=7)
     run = lockstep(model, ids, config, steps=15)
     cache = run.cache
-    seq = cache.sequences[0]
-    total = cache.get_seq_length()
-    assert seq.recent_start == max(0, (total - seq.steps_since_refresh) - config.recent)
+    memory = cache.memory(0)
+    last_refresh = max(i for i, kinds in enumerate(run.kinds) if kinds == ["slow"])
+    assert last_refresh > 0  # a decode-time refresh, after the one at prefill
+    total_then = ids.shape[1] + last_refresh  # cache length in the forward that refreshed
+    assert memory.recent_start == max(0, total_then - config.recent)
     for layer in _layers(cache):
         chosen = cache.selected_positions(layer.layer_idx, 0)  # [H, k]
-        middle = seq.recent_start - config.sink
-        assert chosen.shape == (3, min(config.k_head, middle))
+        middle = memory.recent_start - config.sink
+        assert chosen.shape == (3, min(config.k_head, middle)) == (3, memory.k)
         for head in chosen:
             assert head.unique().numel() == head.numel()
-            assert bool(((head >= config.sink) & (head < seq.recent_start)).all())
+            assert bool(((head >= config.sink) & (head < memory.recent_start)).all())
 
 
 def test_budget_larger_than_the_middle_takes_all_of_it():
@@ -40,10 +42,10 @@ def test_budget_larger_than_the_middle_takes_all_of_it():
     run = lockstep(model, ids, SFIConfig(sink=4, recent=10, k_head=1000, force_sparse=True,
                                          trigger="bootstrap"),
                    steps=1)
-    seq = run.cache.sequences[0]
+    memory = run.cache.memory(0)
     for layer in _layers(run.cache):
         got = run.cache.selected_positions(layer.layer_idx, 0)
-        assert torch.equal(got, torch.arange(4, seq.recent_start).expand(3, -1))
+        assert torch.equal(got, torch.arange(4, memory.recent_start).expand(3, -1))
 
 
 def test_fraction_budget():
@@ -51,7 +53,7 @@ def test_fraction_budget():
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
     config = SFIConfig(sink=4, recent=16, k_head=None, k_fraction=0.1, trigger="bootstrap")
     run = lockstep(model, ids, config, steps=2)
-    assert run.cache.sequences[0].selected_count == 20  # ceil(0.1 * 200)
+    assert run.cache.memory(0).k == 20  # ceil(0.1 * 200)
     assert run.kinds[1] == ["fast"]
 
 
@@ -94,11 +96,11 @@ def test_cache_keeps_every_token_and_grows_across_its_capacity():
 
 def _poison_outside_memory(cache: SlowFastCache) -> None:
     """Overwrite every cached entry that is not sink, selected or recent with garbage."""
-    seq = cache.sequences[0]
+    memory = cache.memory(0)
     for layer in _layers(cache):
         keep = torch.zeros(layer.keys.shape[:3], dtype=torch.bool)  # [B, H, T]
-        keep[:, :, : seq.sink_count] = True
-        keep[:, :, seq.recent_start:] = True
+        keep[:, :, : memory.sink_count] = True
+        keep[:, :, memory.recent_start:] = True
         chosen = cache.selected_positions(layer.layer_idx, 0)
         keep[0].scatter_(-1, chosen, True)
         garbage = torch.randn_like(layer.keys) * 50
@@ -122,7 +124,7 @@ def _poison_run(poison_before_step: int, period: int):
             a = model(input_ids=tokens, **{key: clean}, use_cache=True).logits[:, -1]
             b = model(input_ids=tokens, **{key: dirty}, use_cache=True).logits[:, -1]
             tokens = a.argmax(-1, keepdim=True)
-    kind = "fast" if dirty.plan.fast else "slow"
+    (kind,) = dirty.step_kinds()
     return kind, float((a - b).abs().max())
 
 

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 
 from sfi import SFIConfig, SlowFastCache
-from sfi.decode import cache_argument
+from sfi.hf import cache_argument
 
 CONFIG = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed", period=3)
 
@@ -59,7 +59,7 @@ def test_join_and_leave_give_each_sequence_its_lone_logits():
     joined = _step(model, joiner, second, torch.arange(30)[None])
     torch.testing.assert_close(joined[0], alone_second[0])
     batch.merge(joiner)
-    assert [seq.pad for seq in batch.sequences] == [0, 53 - 30]
+    assert [batch.padding(r) for r in range(batch.batch_size)] == [0, 53 - 30]
     tokens = torch.cat([tokens, joined.argmax(-1, keepdim=True)])
     positions = torch.cat([positions, torch.tensor([[30]])])
     # both decode together
@@ -69,7 +69,7 @@ def test_join_and_leave_give_each_sequence_its_lone_logits():
     assert batch.stats(0).fast_steps > 0
 
     batch.keep([0])  # the second leaves: the first goes on alone, nothing recomputed
-    assert [seq.pad for seq in batch.sequences] == [0]
+    assert [batch.padding(r) for r in range(batch.batch_size)] == [0]
     _follow(model, batch, tokens[:1], positions[:1], alone_first[10:13])
 
 
@@ -86,6 +86,6 @@ def test_leaving_trims_shared_padding():
     b = _step(model, other, short, torch.arange(12)[None])
     batch.merge(other)
     batch.keep([1])  # the long one leaves; the short one's 28 pads are trimmed
-    assert batch.get_seq_length() == 12 and batch.sequences[0].pad == 0
+    assert batch.get_seq_length() == 12 and batch.padding(0) == 0
     del a
     _follow(model, batch, b.argmax(-1, keepdim=True), torch.tensor([[12]]), alone_short[1:5])

@@ -99,7 +99,7 @@ def test_gemma2_sliding_layers_stay_dense_and_full_layers_match():
     from transformers import AutoModelForCausalLM, Gemma2Config
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from sfi.cache import SlowFastLayer
+    from sfi.layers import SlowFastLayer
 
     torch.manual_seed(0)
     config = Gemma2Config(vocab_size=256, hidden_size=96, intermediate_size=128,

@@ -10,12 +10,12 @@ import torch
 from test_cli import run_cli
 
 from sfi.errors import SFIError
-from sfi.eval.methods import budget_tokens, parse_method, sfi_config_for
 from sfi.eval.report import markdown, merge_results, plot_all, summarize
 from sfi.eval.runner import greedy_continue, parse_runs, run_eval
 from sfi.eval.stability import jaccard, support_stability
 from sfi.eval.tasks import make_sample
 from sfi.eviction import EvictionCache
+from sfi.methods import budget_tokens, build_cache, parse_method, sfi_config_for
 from sfi.prefix import SharedPrefill
 
 ROW_KEYS = {"task", "context", "prompt_tokens", "method", "budget", "capacity", "retention",
@@ -69,10 +69,10 @@ def test_a_shared_prefill_continues_exactly_like_a_fresh_prefill(name, tiny_llam
     ids = torch.tensor([sample.prompt_ids])
     method = parse_method(name)
     shared = SharedPrefill(model, ids[:, :-32], history=method.needs_history)
-    cloned = method.build(model, tok, sample.context, 0.3)
-    tokens = greedy_continue(model, cloned, shared, ids, 12, stop=set())
-    fresh = method.build(model, tok, sample.context, 0.3)
-    assert greedy_continue(model, fresh, None, ids, 12, stop=set()) == tokens
+    cloned = build_cache(model, tok, method, budget=0.3, context=sample.context)
+    tokens = greedy_continue(model, cloned, shared, ids, 12, eos=set())
+    fresh = build_cache(model, tok, method, budget=0.3, context=sample.context)
+    assert greedy_continue(model, fresh, None, ids, 12, eos=set()) == tokens
     if isinstance(cloned, EvictionCache):
         for a, b in zip(cloned.layers, fresh.layers):
             assert torch.equal(a.keep, b.keep)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "goldens"))
-import record  # noqa: E402
+import record
 
 GOLDENS = Path(__file__).parent / "goldens"
 

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 
 from sfi import SFIConfig, SlowFastCache
-from sfi.decode import cache_argument
+from sfi.hf import cache_argument
 from sfi.overlap import InlineRebuilder, StagedCompact, make_rebuilder
 
 
@@ -22,10 +22,13 @@ class DeferredRebuilder:
     def release(self) -> None:
         self.released = True
 
-    def submit(self, rows, rebuild, inputs) -> StagedCompact:
+    asynchronous = True
+
+    def submit(self, rows, rebuild, inputs, width) -> StagedCompact:
         self.submitted += 1
-        keys, values, selected = rebuild()
-        return StagedCompact(rows, keys, values, selected, lambda: self.released, lambda: None)
+        keys, values, positions = rebuild()
+        return StagedCompact(rows, keys, values, positions, width, lambda: self.released,
+                             lambda: None)
 
 
 def test_rows_read_densely_until_their_rebuild_is_ready():
@@ -46,15 +49,18 @@ def test_rows_read_densely_until_their_rebuild_is_ready():
             b = model(input_ids=tokens, use_cache=True, **{key: reference}).logits[:, -1]
             diffs.append(float((a - b).abs().max()))
             tokens = b.argmax(-1, keepdim=True)
-            if step >= 1:
-                assert sparse.plan.fast is not None and sparse.plan.fast.rows.is_all
+            if step >= 1:  # planned fast; lagged (read densely) while the rebuild runs
+                assert sparse.step_kinds() == (("lagged",) * 2 if step < 3 else ("fast",) * 2)
     assert deferred.submitted == 2  # the first selection of two layers, after prefill
+    stats = sparse.stats()
+    assert (stats.lagged_steps, stats.fast_steps) == (4, 6)  # 2 rows x steps 1-2, and 3-5
+    assert 0 < stats.fast_read_fraction < 1 and stats.read_fraction > stats.fast_read_fraction
     # fast steps 1-2: the selection is still "running", so they read densely = full attention
     assert diffs[1] < 1e-5 and diffs[2] < 1e-5
     # from step 3 on the rebuild has landed: the small memory is read, and it differs
     assert min(diffs[3:]) > 1e-3
     for layer in sparse.layers:
-        assert layer.pending is None and layer.selected_positions is not None
+        assert layer.pending is None and layer.compact_positions is not None
 
 
 def test_inline_on_cpu():

@@ -55,11 +55,11 @@ def test_scorers_drive_the_same_mechanics(name):
     ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(9))
     run = lockstep(model, ids, config, steps=6, scorer=make_scorer(name, config))
     assert run.cache.scorer.__class__.__name__.lower().startswith(name)
-    seq = run.cache.sequences[0]
+    memory = run.cache.memory(0)
     for layer in run.cache.layers:
         chosen = run.cache.selected_positions(layer.layer_idx, 0)
         assert chosen.shape == (3, 9)
-        assert bool(((chosen >= 2) & (chosen < seq.recent_start)).all())
+        assert bool(((chosen >= 2) & (chosen < memory.recent_start)).all())
     assert [k[0] for k in run.kinds].count("fast") >= 4
 
 

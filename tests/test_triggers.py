@@ -14,6 +14,7 @@ from sfi.triggers import (
     SentenceTrigger,
     classify_text,
     make_trigger,
+    observe,
     token_classes,
 )
 
@@ -35,7 +36,7 @@ def _fires(trigger, ids):
     since, fired = 0, []
     for i, token in enumerate(ids):
         since += 1
-        reason = trigger.observe(token, since)
+        reason = observe(trigger, token, since)
         if reason:
             fired.append((i, reason))
             since = 0

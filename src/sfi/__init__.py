@@ -5,8 +5,9 @@ boundaries, or when a reuse budget runs out, a slow step attends densely and the
 refreshes the selected set. See ``docs/ARCHITECTURE.md`` for the modules.
 """
 
-from sfi.attention import register_attention, route_model
+from sfi.attention import register_attention
 from sfi.cache import SlowFastCache
+from sfi.caches import DecodeCache, FullCache
 from sfi.config import SFIConfig
 from sfi.decode import GenerateResult, Timing, generate
 from sfi.errors import (
@@ -16,14 +17,18 @@ from sfi.errors import (
     SFIError,
     UnsupportedModelError,
 )
+from sfi.hf import routed
+from sfi.methods import build_cache
 from sfi.models import load
 from sfi.scorers import Evidence, Scorer
 from sfi.selector import SFISelector
 from sfi.stats import DecodeStats
 
 __all__ = [
+    "DecodeCache",
     "DecodeStats",
     "Evidence",
+    "FullCache",
     "GenerateResult",
     "ModelNotFoundError",
     "PromptError",
@@ -35,9 +40,10 @@ __all__ = [
     "SlowFastCache",
     "Timing",
     "UnsupportedModelError",
+    "build_cache",
     "generate",
     "load",
     "register_attention",
-    "route_model",
+    "routed",
 ]
 __version__ = "0.1.0"

@@ -1,25 +1,33 @@
-"""Prefill, the per-token loop, sampling and stop conditions: ``sfi.generate``.
+"""The decode loop's pieces and ``sfi.generate``.
 
-``mode="sfi"`` decodes through a :class:`~sfi.cache.SlowFastCache`; ``mode="full"`` decodes the
-same way through transformers' stock ``DynamicCache`` and SDPA, the model as users run it today.
-Both share this loop, so their timings compare like with like.
+Every loop of the project (``generate``, the server's engine, the evaluations, the benchmark,
+the support-stability analysis) is built from the same three pieces, as in gpt-fast:
+
+- :func:`prefill`: one forward over several tokens per row (a prompt, or the tail of a prompt
+  whose head was loaded from a shared prefill) -> the last position's logits;
+- :func:`decode_one`: one forward of one token per row -> its logits;
+- :class:`StopChecker`: when a sequence ends (an end-of-sequence token, a stop string, the
+  token budget) and its text so far.
+
+``mode="sfi"`` decodes through a :class:`~sfi.cache.SlowFastCache`; ``mode="full"`` through
+transformers' ``DynamicCache`` and SDPA, the model as users run it today. Both share the loop,
+so their timings compare like with like.
 """
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from transformers import DynamicCache
 
-from sfi.cache import SlowFastCache
 from sfi.config import SFIConfig
 from sfi.errors import PromptError, SFIError
+from sfi.hf import cache_argument, context_length, eos_token_ids
+from sfi.methods import build_cache
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
 
@@ -27,6 +35,98 @@ Mode = Literal["sfi", "full"]
 MODES: tuple[str, ...] = ("sfi", "full")
 
 
+# --- the pieces of every loop -------------------------------------------------------------------
+def prefill(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *,
+            attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+            start: int | None = None) -> torch.Tensor:
+    """Run ``ids [B, L]`` through ``model`` into ``cache``; return the logits ``[B, V]`` of the
+    last position.
+
+    Positions are ``positions``, else ``start, start + 1, ...`` when ``start`` is given, else
+    the model's default (counting from the cache's length; with left padding pass them)."""
+    kwargs: dict[str, Any] = {}
+    if positions is None and start is not None:
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+        positions = positions[None].expand(ids.shape[0], -1)
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                **{cache_argument(model): cache}, **kwargs)
+    return out.logits[:, -1]
+
+
+def decode_one(model: torch.nn.Module, cache: Any, tokens: torch.Tensor,
+               positions: torch.Tensor, attention_mask: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """One decode step: ``tokens [B]`` at ``positions [B]`` -> next-token logits ``[B, V]``."""
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    out = model(input_ids=tokens[:, None], position_ids=positions[:, None], use_cache=True,
+                **{cache_argument(model): cache}, **kwargs)
+    return out.logits[:, -1]
+
+
+class StopChecker:
+    """When one sequence ends, and its text: an end-of-sequence token (not kept), the earliest
+    stop string (the text is cut before it), or ``max_tokens`` tokens.
+
+    Args:
+        tokenizer: decodes the tokens (only needed when there are stop strings, or for
+            :attr:`text`).
+        eos: end-of-sequence token ids.
+        stop: strings that end the sequence.
+        max_tokens: tokens kept at most.
+    """
+
+    def __init__(self, tokenizer: Any, eos: Collection[int], stop: Sequence[str] = (),
+                 max_tokens: int | None = None):
+        self.tokenizer = tokenizer
+        self.eos = eos
+        self.stop = tuple(stop)
+        self.max_tokens = max_tokens
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self._text: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def push(self, token: int) -> bool:
+        """Take the next token; returns whether the sequence has ended."""
+        if self.done:
+            return True
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return True
+        self.tokens.append(token)
+        self._text = None
+        if self.stop and self._cut() is not None:
+            self.finish_reason = "stop"
+        elif self.max_tokens is not None and len(self.tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+        return self.done
+
+    def decoded(self) -> str:
+        """The tokens kept so far, decoded (special tokens skipped)."""
+        if self._text is None:
+            self._text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        return self._text
+
+    def _cut(self) -> int | None:
+        text = self.decoded()
+        hits = [text.index(s) for s in self.stop if s in text]
+        return min(hits) if hits else None
+
+    @property
+    def text(self) -> str:
+        """The text so far, cut before the earliest stop string."""
+        cut = self._cut() if self.stop else None
+        return self.decoded() if cut is None else self.decoded()[:cut]
+
+
+# --- sfi.generate ---------------------------------------------------------------------------
 @dataclass
 class Timing:
     """Wall-clock seconds of a generation: prefill (to the first token) and the decode loop."""
@@ -84,30 +184,9 @@ class GenerateResult:
         }
 
 
-def cache_argument(model: torch.nn.Module) -> str:
-    """The keyword a model's forward takes its cache by (``cache`` from transformers 5.24 on)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def context_length(model: torch.nn.Module) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
-    return getattr(config, "max_position_embeddings", None)
-
-
-def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
-
-
-def _check_number(name: str, value: Any, low: float, high: float | None = None,
-                  integer: bool = False, low_open: bool = False) -> None:
+def check_number(name: str, value: Any, low: float, high: float | None = None,
+                 integer: bool = False, low_open: bool = False) -> None:
+    """Raise :class:`SFIError` naming ``name`` unless ``value`` is a number in range."""
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         raise SFIError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
@@ -151,14 +230,6 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def make_cache(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIConfig | None,
-               scorer: Scorer | None, max_cache_len: int) -> Any:
-    if mode == "full":
-        return DynamicCache(config=model.config)
-    return SlowFastCache(model, config, tokenizer=tokenizer, scorer=scorer,
-                         max_cache_len=max_cache_len)
-
-
 @torch.inference_mode()
 def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str], *,
              config: SFIConfig | None = None, max_new_tokens: int = 128, mode: Mode = "sfi",
@@ -188,9 +259,9 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise PromptError("the prompt is empty: give some text to continue")
-    _check_number("max_new_tokens", max_new_tokens, 1, integer=True)
-    _check_number("temperature", temperature, 0.0)
-    _check_number("top_p", top_p, 0.0, 1.0, low_open=True)
+    check_number("max_new_tokens", max_new_tokens, 1, integer=True)
+    check_number("temperature", temperature, 0.0)
+    check_number("top_p", top_p, 0.0, 1.0, low_open=True)
     if mode == "full" and config is not None:
         raise SFIError("config applies to mode='sfi' only; full attention takes no SFI config")
     device = next(model.parameters()).device
@@ -204,63 +275,44 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
             f"{longest + max_new_tokens}, more than the model's context of {limit} tokens")
 
     batch = input_ids.shape[0]
-    cache = make_cache(model, tokenizer, mode, config, scorer, input_ids.shape[1] + max_new_tokens)
-    cache_kw = cache_argument(model)
+    cache = build_cache(model, tokenizer, mode, config=config, scorer=scorer,
+                        capacity=input_ids.shape[1] + max_new_tokens)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = eos_token_ids(model, tokenizer)
-    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-
+    checkers = [StopChecker(tokenizer, eos, stop or (), max_new_tokens) for _ in range(batch)]
+    positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     padded = not bool(attention_mask.all())
+
     timing = Timing()
     start = time.perf_counter()
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-    next_ids = sample_next(out.logits[:, -1], temperature, top_p, generator)
+    logits = prefill(model, cache, input_ids, attention_mask=attention_mask, positions=positions)
+    next_ids = sample_next(logits, temperature, top_p, generator)
     timing.prefill_s = time.perf_counter() - start
 
-    generated: list[list[int]] = [[] for _ in range(batch)]
-    finish = [""] * batch
-    texts = [""] * batch
-    last_pos = position_ids[:, -1:]
+    position = positions[:, -1]
     decode_start = time.perf_counter()
-    for step in range(max_new_tokens):
-        tokens = next_ids.tolist()
-        for row, token in enumerate(tokens):
-            if finish[row]:
+    while True:
+        for row, token in enumerate(next_ids.tolist()):
+            checker = checkers[row]
+            if checker.done:
                 continue
-            if token in eos:
-                finish[row] = "stop"
-                continue
-            generated[row].append(token)
-            if on_token is not None:
+            checker.push(token)
+            if on_token is not None and token not in eos:
                 on_token(row, token)
-            if stop:
-                texts[row] = tokenizer.decode(generated[row], skip_special_tokens=True)
-                if any(s in texts[row] for s in stop):
-                    finish[row] = "stop"
-        if all(finish) or step == max_new_tokens - 1:
+        if all(c.done for c in checkers):
             break
         if padded:  # without padding no mask is needed: no O(context) work per step
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], -1)
-        last_pos = last_pos + 1
-        out = model(input_ids=next_ids[:, None], attention_mask=attention_mask if padded else None,
-                    position_ids=last_pos, use_cache=True, **{cache_kw: cache})
-        next_ids = sample_next(out.logits[:, -1], temperature, top_p, generator)
+        position = position + 1
+        logits = decode_one(model, cache, next_ids, position,
+                            attention_mask if padded else None)
+        next_ids = sample_next(logits, temperature, top_p, generator)
         timing.decode_steps += 1
     timing.decode_s = time.perf_counter() - decode_start
 
-    results = []
-    for row in range(batch):
-        text = tokenizer.decode(generated[row], skip_special_tokens=True)
-        for s in stop or ():
-            if s in text:
-                text = text[: text.index(s)]
-        if isinstance(cache, SlowFastCache):
-            stats = cache.stats(row)
-        else:
-            stats = DecodeStats(dense_steps=timing.decode_steps)
-        results.append(GenerateResult(text=text, token_ids=generated[row],
-                                      prompt_tokens=int(prompt_lengths[row]), stats=stats,
-                                      timing=timing, finish_reason=finish[row] or "length",
-                                      mode=mode, config=cache.config if mode == "sfi" else None))
+    results = [GenerateResult(text=checker.text, token_ids=checker.tokens,
+                              prompt_tokens=int(prompt_lengths[row]), stats=cache.stats(row),
+                              timing=timing, finish_reason=checker.finish_reason or "length",
+                              mode=mode, config=cache.config if mode == "sfi" else None)
+               for row, checker in enumerate(checkers)]
     return results[0] if isinstance(prompt, str) else results

@@ -26,6 +26,38 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float,
     return z
 
 
+def causal_mask(total: int, queries: int, device: torch.device, first_query: int | None = None,
+                pads: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B or 1, Q, T]`` bool: which of ``total`` keys each of ``queries`` consecutive queries
+    may see. Query j (at position ``first_query + j``, by default one of the last ``queries``
+    positions) sees the keys up to itself and, with ``pads [B]``, none of its row's padding."""
+    start = total - queries if first_query is None else first_query
+    query_pos = torch.arange(start, start + queries, device=device)
+    key_pos = torch.arange(total, device=device)
+    allowed = key_pos[None, None, :] <= query_pos[None, :, None]
+    if pads is not None:
+        allowed = allowed & (key_pos[None, None, :] >= pads[:, None, None])
+    return allowed
+
+
+def window_logits(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scale: float,
+                  softcap: float | None) -> torch.Tensor:
+    """Logits of a window of queries over the whole cache, grouped by KV head: the evidence
+    of a selection after prefill, and the observation window of the eviction baselines.
+
+    Args:
+        query: ``[B, Hq, W, D]`` (the queries of W consecutive positions); keys:
+            ``[B, H, T, D]``; bias: ``[B or 1, W, T]`` additive (from :func:`causal_mask`).
+    Returns:
+        ``[B, H, G * W, T]`` float32, rows ordered (query head, query).
+    """
+    b, hq, w, d = query.shape
+    h, t = keys.shape[1], keys.shape[-2]
+    q = query.reshape(b, h, hq // h, w, d)
+    logits = attention_logits(q, keys[:, :, None], scale, softcap)  # [B, H, G, W, T]
+    return (logits + bias[:, None, None]).reshape(b, h, -1, t)
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                     scale: float, softcap: float | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -220,7 +220,7 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from sfi.attention import route_model
+    from sfi.hf import check_routable
 
     hf_logging.disable_progress_bar()
     source = resolve(name_or_path)
@@ -235,6 +235,6 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     model = model.to(device).eval()
     if decode_layout:
         prefer_decode_layout(model)
-    route_model(model)
+    check_routable(model)  # a clear error now, rather than when a cache is built
     model.sfi_tokenizer = tokenizer
     return model, tokenizer

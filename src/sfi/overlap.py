@@ -24,8 +24,9 @@ class StagedCompact:
 
     Attributes:
         rows: the sequences it belongs to.
-        keys, values: ``[n, H, S + k, D]`` packed sink + selected entries.
-        selected: ``[n, H, k]`` the selected positions.
+        keys, values: ``[n, H, W, D]`` packed sink + selected entries.
+        positions: ``[n, H, W]`` the cache positions they came from.
+        width: the compact buffer's width (slots) when it was planned.
         ready: whether the work that produces it has finished.
         wait: make the current stream wait for it (no-op when it ran inline).
     """
@@ -33,7 +34,8 @@ class StagedCompact:
     rows: Rows
     keys: torch.Tensor
     values: torch.Tensor
-    selected: torch.Tensor
+    positions: torch.Tensor
+    width: int
     ready: Callable[[], bool]
     wait: Callable[[], None]
 
@@ -44,7 +46,10 @@ Rebuild = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 class Rebuilder(Protocol):
     """Runs a rebuild (scorer + top-K + packing) and hands back its staged result."""
 
-    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor]) -> StagedCompact:
+    asynchronous: bool
+
+    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor],
+               width: int) -> StagedCompact:
         """``inputs`` are the tensors the rebuild reads (kept alive for another stream)."""
         ...
 
@@ -60,33 +65,39 @@ def _nothing() -> None:
 class InlineRebuilder:
     """Runs the rebuild at once on the current stream (CPU, or overlap switched off)."""
 
-    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor]) -> StagedCompact:
-        keys, values, selected = rebuild()
-        return StagedCompact(rows, keys, values, selected, _always, _nothing)
+    asynchronous = False
+
+    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor],
+               width: int) -> StagedCompact:
+        keys, values, positions = rebuild()
+        return StagedCompact(rows, keys, values, positions, width, _always, _nothing)
 
 
 class SideStreamRebuilder:
     """Runs the rebuild on a second CUDA stream, ordered after the work already queued."""
 
+    asynchronous = True
+
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device=device)
 
-    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor]) -> StagedCompact:
+    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor],
+               width: int) -> StagedCompact:
         main = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(main)
         for tensor in inputs:  # memory made on the main stream, read on the side stream
             tensor.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
-            keys, values, selected = rebuild()
+            keys, values, positions = rebuild()
             done = torch.cuda.Event()
             done.record(self.stream)
 
         def wait() -> None:
             main.wait_event(done)
-            for tensor in (keys, values, selected):
+            for tensor in (keys, values, positions):
                 tensor.record_stream(main)
 
-        return StagedCompact(rows, keys, values, selected, done.query, wait)
+        return StagedCompact(rows, keys, values, positions, width, done.query, wait)
 
 
 def make_rebuilder(device: torch.device, overlap: bool) -> Rebuilder:

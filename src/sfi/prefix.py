@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from transformers import DynamicCache
 
-from sfi.cache import SlowFastCache
-from sfi.decode import cache_argument
-from sfi.eviction.cache import EvictionCache, prefill_with_history
-
-KV = list[tuple[torch.Tensor, torch.Tensor]]
+from sfi.caches import KV, DecodeCache, FullCache
+from sfi.decode import prefill
+from sfi.eviction.cache import prefill_with_history
+from sfi.hf import text_config
 
 
 @torch.inference_mode()
-def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """KV of ``ids`` for every layer: a real prefill, or random tensors of the right shape."""
-    cfg = model.config.get_text_config()
+def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool) -> KV:
+    """KV of ``ids [B, T]`` for every layer: a real prefill, or random tensors of the right
+    shape."""
+    cfg = text_config(model)
     if synthetic:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
@@ -27,8 +23,8 @@ def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool
         return [(torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype),
                  torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype))
                 for _ in range(cfg.num_hidden_layers)]
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+    cache = FullCache(config=model.config)
+    prefill(model, cache, ids)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -48,19 +44,6 @@ class SharedPrefill:
         else:
             self.kv = prefix_kv(model, ids, synthetic=False)
 
-    def load(self, cache: Any) -> None:
+    def load(self, cache: DecodeCache) -> None:
         """Fill the empty ``cache`` with a copy of this prefill."""
-        if isinstance(cache, EvictionCache):
-            cache.load(self.kv, self.history)
-        else:
-            load_prefix(cache, self.kv)
-
-
-def load_prefix(cache: Any, prefix: KV) -> None:
-    """Fill an empty cache (SlowFastCache or any transformers cache) with ``prefix``, copied,
-    so that several caches can continue the same prefill."""
-    if isinstance(cache, SlowFastCache):
-        cache.load_kv(prefix)
-        return
-    for idx, (k, v) in enumerate(prefix):
-        cache.update(k.clone(), v.clone(), idx)
+        cache.load_prefix(self.kv, self.history)

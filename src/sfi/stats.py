@@ -14,24 +14,30 @@ def _no_refreshes() -> dict[str, int]:
 
 @dataclass
 class DecodeStats:
-    """Per-sequence (or summed) counters.
+    """Per-sequence (or summed) counters of decode steps, recorded after each step ran.
 
     Attributes:
         slow_steps: decode steps that attended densely and refreshed the selection.
-        fast_steps: decode steps that read only sink + selected + recent.
+        fast_steps: decode steps that read only sink + selected + recent at every layer.
         dense_steps: decode steps that attended densely because the context was still shorter
-            than sink + K + recent (nothing to save yet), or every step in ``mode="full"``.
+            than sink + K + recent (nothing to save yet), or every step of full attention.
+        lagged_steps: steps planned fast in which some layers read densely because their
+            compact rebuild (on a CUDA side stream) was not ready yet.
         refresh_reasons: refreshes by cause: ``bootstrap`` (after prefill, or the first time the
             context is long enough), ``sentence``, ``interval`` (reuse budget), ``period``
             (ablation policies).
         fast_read_fraction: mean over fast steps of (entries read) / (context length).
+        read_fraction: mean over all decode steps of the fraction of the context read (dense
+            and slow steps read all of it).
     """
 
     slow_steps: int = 0
     fast_steps: int = 0
     dense_steps: int = 0
+    lagged_steps: int = 0
     refresh_reasons: dict[str, int] = field(default_factory=_no_refreshes)
     fast_read_sum: float = 0.0
+    lagged_read_sum: float = 0.0
 
     @property
     def fast_read_fraction(self) -> float:
@@ -39,11 +45,23 @@ class DecodeStats:
 
     @property
     def decode_steps(self) -> int:
-        return self.slow_steps + self.fast_steps + self.dense_steps
+        return self.slow_steps + self.fast_steps + self.dense_steps + self.lagged_steps
+
+    @property
+    def read_fraction(self) -> float:
+        steps = self.decode_steps
+        if steps == 0:
+            return 1.0
+        fast = self.fast_read_fraction * self.fast_steps + self.lagged_read_sum
+        return (fast + self.slow_steps + self.dense_steps) / steps
 
     def record_fast_step(self, read_fraction: float) -> None:
         self.fast_steps += 1
         self.fast_read_sum += read_fraction
+
+    def record_lagged_step(self, read_fraction: float) -> None:
+        self.lagged_steps += 1
+        self.lagged_read_sum += read_fraction
 
     @classmethod
     def merge(cls, parts: list[DecodeStats]) -> DecodeStats:
@@ -52,7 +70,9 @@ class DecodeStats:
             total.slow_steps += part.slow_steps
             total.fast_steps += part.fast_steps
             total.dense_steps += part.dense_steps
+            total.lagged_steps += part.lagged_steps
             total.fast_read_sum += part.fast_read_sum
+            total.lagged_read_sum += part.lagged_read_sum
             for reason, count in part.refresh_reasons.items():
                 total.refresh_reasons[reason] = total.refresh_reasons.get(reason, 0) + count
         return total
@@ -62,6 +82,7 @@ class DecodeStats:
             "slow_steps": self.slow_steps,
             "fast_steps": self.fast_steps,
             "dense_steps": self.dense_steps,
+            "lagged_steps": self.lagged_steps,
             "refresh_reasons": dict(self.refresh_reasons),
             "fast_read_fraction": round(self.fast_read_fraction, 6),
         }

@@ -61,11 +61,27 @@ def token_classes(tokenizer) -> TokenClasses:
 
 
 class RefreshTrigger(Protocol):
-    """Per-sequence policy: told each input token, says whether this step refreshes, and why."""
+    """Per-sequence policy: shown each input token, says whether this step refreshes, and why.
 
-    def observe(self, token_id: int, steps_since_refresh: int) -> str | None:
-        """``steps_since_refresh`` counts this step (1 on the step after a refresh)."""
+    ``decide`` only looks (the planner calls it before the step); ``advance`` records the token
+    once the step has run. ``steps_since_refresh`` counts this step (1 on the step after a
+    refresh).
+    """
+
+    def decide(self, token_id: int, steps_since_refresh: int) -> str | None:
+        """The refresh reason for a step whose input is ``token_id``, or None."""
         ...
+
+    def advance(self, token_id: int, steps_since_refresh: int) -> None:
+        """Take ``token_id`` into the trigger's state, after its step."""
+        ...
+
+
+def observe(trigger: RefreshTrigger, token_id: int, steps_since_refresh: int) -> str | None:
+    """``decide`` then ``advance``: the reason for this step, with the token taken in."""
+    reason = trigger.decide(token_id, steps_since_refresh)
+    trigger.advance(token_id, steps_since_refresh)
+    return reason
 
 
 @dataclass
@@ -77,16 +93,23 @@ class SentenceTrigger:
     min_refresh_gap: int = 16
     pending_boundary: bool = False
 
-    def observe(self, token_id: int, steps_since_refresh: int) -> str | None:
-        if token_id in self.classes.enders:
-            self.pending_boundary = True
-        elif self.pending_boundary and token_id not in self.classes.whitespace:
-            self.pending_boundary = False
-            if steps_since_refresh >= self.min_refresh_gap:
-                return SENTENCE
+    def _starts_sentence(self, token_id: int) -> bool:
+        """The first token of a new sentence: after an ender, neither an ender nor blank."""
+        return (self.pending_boundary and token_id not in self.classes.enders
+                and token_id not in self.classes.whitespace)
+
+    def decide(self, token_id: int, steps_since_refresh: int) -> str | None:
+        if self._starts_sentence(token_id) and steps_since_refresh >= self.min_refresh_gap:
+            return SENTENCE
         if steps_since_refresh >= self.refresh_interval:
             return INTERVAL
         return None
+
+    def advance(self, token_id: int, steps_since_refresh: int) -> None:
+        if token_id in self.classes.enders:
+            self.pending_boundary = True
+        elif self._starts_sentence(token_id):
+            self.pending_boundary = False
 
 
 @dataclass
@@ -95,8 +118,11 @@ class FixedPeriodTrigger:
 
     period: int
 
-    def observe(self, token_id: int, steps_since_refresh: int) -> str | None:
+    def decide(self, token_id: int, steps_since_refresh: int) -> str | None:
         return PERIOD if steps_since_refresh >= self.period else None
+
+    def advance(self, token_id: int, steps_since_refresh: int) -> None:
+        return None
 
 
 @dataclass
@@ -113,17 +139,21 @@ class RandomPeriodTrigger:
         self._rng = random.Random(self.seed)
         self._next = self._rng.randint(self.low, self.high)
 
-    def observe(self, token_id: int, steps_since_refresh: int) -> str | None:
-        if steps_since_refresh >= self._next:
+    def decide(self, token_id: int, steps_since_refresh: int) -> str | None:
+        return PERIOD if steps_since_refresh >= self._next else None
+
+    def advance(self, token_id: int, steps_since_refresh: int) -> None:
+        if steps_since_refresh >= self._next:  # the period ran out: draw the next one
             self._next = self._rng.randint(self.low, self.high)
-            return PERIOD
-        return None
 
 
 class BootstrapOnlyTrigger:
     """Ablation: select once after prefill and never refresh."""
 
-    def observe(self, token_id: int, steps_since_refresh: int) -> str | None:
+    def decide(self, token_id: int, steps_since_refresh: int) -> str | None:
+        return None
+
+    def advance(self, token_id: int, steps_since_refresh: int) -> None:
         return None
 
 

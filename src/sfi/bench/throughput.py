@@ -20,17 +20,18 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from transformers import DynamicCache, StaticCache
 
-from sfi.cache import SlowFastCache
+from sfi.caches import KV, DecodeCache
 from sfi.config import SFIConfig
-from sfi.decode import cache_argument, context_length
+from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
-from sfi.prefix import load_prefix, prefix_kv
+from sfi.hf import context_length, text_config
+from sfi.methods import build_cache
+from sfi.prefix import prefix_kv
 
 MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only")
 
@@ -83,7 +84,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def kv_bytes_per_entry(model: torch.nn.Module) -> int:
     """Bytes of one cached position across all layers and KV heads (keys and values)."""
-    cfg = model.config.get_text_config()
+    cfg = text_config(model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     element = next(model.parameters()).element_size()
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element
@@ -100,17 +101,15 @@ def benchmark_ids(tokenizer: Any, context: int, batch: int) -> torch.Tensor:
     return torch.tensor([ids[b * stride: b * stride + context] for b in range(batch)])
 
 
-def _make_cache(mode: str, model: torch.nn.Module, tokenizer: Any, config: SFIConfig,
-                prefix: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> Any:
-    if mode == "full":
-        cache = DynamicCache(config=model.config)
-    elif mode == "full-static":
-        cache = StaticCache(config=model.config, max_cache_len=capacity)
-    else:
-        if mode == "sfi-fast-only":
-            config = SFIConfig(**{**config.to_dict(), "trigger": "bootstrap"})
-        cache = SlowFastCache(model, config, tokenizer=tokenizer, max_cache_len=capacity)
-    load_prefix(cache, prefix)
+def make_bench_cache(mode: str, model: torch.nn.Module, tokenizer: Any, config: SFIConfig,
+                     prefix: KV, capacity: int) -> DecodeCache:
+    """The cache of one bench mode, loaded with a copy of ``prefix``."""
+    if mode == "sfi-fast-only":
+        config = replace(config, trigger="bootstrap")
+    method = "sfi" if mode.startswith("sfi") else mode
+    cache = build_cache(model, tokenizer, method, config=config if method == "sfi" else None,
+                        capacity=capacity)
+    cache.load_prefix(prefix)
     return cache
 
 
@@ -119,38 +118,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_kind(kinds: tuple[str, ...]) -> str:
+    """One label for a batched step: slow if any row refreshed, else fast if any row read its
+    compact memory, else lagged (fast rows that read some layers densely), else dense."""
+    for kind in ("slow", "fast", "lagged"):
+        if kind in kinds:
+            return kind
+    return "dense"
+
+
 @torch.inference_mode()
-def decode_run(model: torch.nn.Module, cache: Any, tail: torch.Tensor, start: int,
+def decode_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, start: int,
                new_tokens: int, warmup: int = 2) -> list[tuple[float, str]]:
     """Run the last prompt tokens ``tail [B, W]`` (from position ``start``), then decode greedily;
-    returns ``(seconds, kind)`` per decode step (kind: fast, slow or dense), after ``warmup``
+    returns ``(seconds, kind)`` per decode step (see :func:`step_kind`), after ``warmup``
     untimed steps (first-touch allocations)."""
-    key = cache_argument(model)
     device = tail.device
-    positions = torch.arange(start, start + tail.shape[1], device=device).expand_as(tail)
-    out = model(input_ids=tail, position_ids=positions, use_cache=True, logits_to_keep=1,
-                **{key: cache})
-    token = out.logits[:, -1:].argmax(-1)
-    position = positions[:, -1:] + 1
+    token = prefill(model, cache, tail, start=start).argmax(-1)
+    position = torch.full((tail.shape[0],), start + tail.shape[1], device=device)
     steps = []
     for _ in range(warmup + new_tokens):
         _sync(device)
         begin = time.perf_counter()
-        out = model(input_ids=token, position_ids=position, use_cache=True, **{key: cache})
-        token = out.logits[:, -1:].argmax(-1)
+        token = decode_one(model, cache, token, position).argmax(-1)
         _sync(device)
-        steps.append((time.perf_counter() - begin, _step_kind(cache)))
+        steps.append((time.perf_counter() - begin, step_kind(cache.step_kinds())))
         position = position + 1
     return steps[warmup:]
-
-
-def _step_kind(cache: Any) -> str:
-    if not isinstance(cache, SlowFastCache):
-        return "dense"
-    plan = cache.plan
-    if plan.slow:
-        return "slow"
-    return "fast" if plan.fast else "dense"
 
 
 def _median_ms(steps: list[tuple[float, str]], kind: str) -> float | None:
@@ -162,6 +156,44 @@ def estimate_bytes(model: torch.nn.Module, context: int, batch: int, copies: int
     """Peak memory of one (context, batch) cell: the prefix KV plus ``copies`` caches of it
     (one mode's cache, and the stock cache's concatenation copy)."""
     return kv_bytes_per_entry(model) * context * batch * (1 + copies)
+
+
+def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIConfig,
+                 ids: torch.Tensor, prefix: KV, *, kv: str, new_tokens: int, warmup: int,
+                 bandwidth: float) -> BenchRow:
+    """One mode on one (context, batch): decode ``new_tokens`` steps after the prefix of
+    ``ids [B, context]`` and time each; the floor is the bytes a step must read (weights + the
+    KV entries it attends) over ``bandwidth`` GB/s."""
+    batch, context = ids.shape
+    window = config.evidence_window
+    cache = make_bench_cache(mode, model, tokenizer, config, prefix,
+                             context + warmup + new_tokens + 1)
+    steps = decode_run(model, cache, ids[:, -window:], context - window, new_tokens, warmup)
+    sparse = mode.startswith("sfi")
+    read = cache.stats().fast_read_fraction if sparse else None
+    entries = config.sink + config.budget(context) + config.recent if sparse else context
+    floor = (weight_bytes(model) + kv_bytes_per_entry(model) * min(entries, context) * batch)
+    total = sum(t for t, _ in steps)
+    return BenchRow(
+        mode=mode, context=context, batch=batch, kv=kv, new_tokens=new_tokens,
+        decode_tok_s=round(batch * len(steps) / total, 3),
+        step_ms=round(1000 * statistics.median(t for t, _ in steps), 3),
+        fast_step_ms=_median_ms(steps, "fast"),
+        slow_step_ms=_median_ms(steps, "slow"),
+        dense_step_ms=_median_ms(steps, "dense"),
+        slow_fraction=round(sum(k == "slow" for _, k in steps) / len(steps), 4),
+        fast_read_fraction=round(read, 4) if read is not None else None,
+        floor_ms=round(floor / bandwidth / 1e6, 3))
+
+
+def add_speedups(cell: list[BenchRow]) -> None:
+    """Fill each row's tokens/s ratio over ``full`` and ``full-static`` of the same cell."""
+    by_mode = {r.mode: r for r in cell}
+    for row in cell:
+        for base, attr in (("full", "speedup_vs_full"),
+                           ("full-static", "speedup_vs_full_static")):
+            if base in by_mode:
+                setattr(row, attr, round(row.decode_tok_s / by_mode[base].decode_tok_s, 3))
 
 
 def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int],
@@ -180,11 +212,9 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
                        "tokens exceeds the "
                        f"model's {limit}; use --synthetic-kv for throughput-only sweeps beyond it")
     bandwidth = measure_bandwidth()
-    weights = weight_bytes(model)
-    per_entry = kv_bytes_per_entry(model)
-    window = config.evidence_window
     rows: list[BenchRow] = []
     skipped: list[dict[str, Any]] = []
+    kv = "synthetic" if synthetic_kv else "prefill"
     for context in contexts:
         for batch in batches:
             need = estimate_bytes(model, context + warmup + new_tokens, batch)
@@ -197,45 +227,21 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
                 progress(f"context {context}, batch {batch}: "
                          f"{'synthetic KV' if synthetic_kv else 'prefill'}")
             ids = benchmark_ids(tokenizer, context, batch).to(next(model.parameters()).device)
-            prefix = prefix_kv(model, ids[:, :-window], synthetic_kv)
+            prefix = prefix_kv(model, ids[:, :-config.evidence_window], synthetic_kv)
             cell: list[BenchRow] = []
             for mode in modes:
                 if progress:
                     progress(f"context {context}, batch {batch}: {mode}")
-                cache = _make_cache(mode, model, tokenizer, config, prefix,
-                                    context + warmup + new_tokens + 1)
-                steps = decode_run(model, cache, ids[:, -window:], context - window, new_tokens,
-                                   warmup)
-                sparse = isinstance(cache, SlowFastCache)
-                read = cache.stats().fast_read_fraction if sparse else None
-                entries = config.sink + config.budget(context) + config.recent if sparse \
-                    else context
-                floor = (weights + per_entry * min(entries, context) * batch) / bandwidth / 1e6
-                total = sum(t for t, _ in steps)
-                cell.append(BenchRow(
-                    mode=mode, context=context, batch=batch,
-                    kv="synthetic" if synthetic_kv else "prefill", new_tokens=new_tokens,
-                    decode_tok_s=round(batch * len(steps) / total, 3),
-                    step_ms=round(1000 * statistics.median(t for t, _ in steps), 3),
-                    fast_step_ms=_median_ms(steps, "fast"),
-                    slow_step_ms=_median_ms(steps, "slow"),
-                    dense_step_ms=_median_ms(steps, "dense"),
-                    slow_fraction=round(sum(k == "slow" for _, k in steps) / len(steps), 4),
-                    fast_read_fraction=round(read, 4) if read is not None else None,
-                    floor_ms=round(floor, 3)))
-                del cache
-            by_mode = {r.mode: r for r in cell}
-            for row in cell:
-                for base, attr in (("full", "speedup_vs_full"),
-                                   ("full-static", "speedup_vs_full_static")):
-                    if base in by_mode:
-                        setattr(row, attr, round(row.decode_tok_s / by_mode[base].decode_tok_s, 3))
+                cell.append(measure_cell(model, tokenizer, mode, config, ids, prefix, kv=kv,
+                                         new_tokens=new_tokens, warmup=warmup,
+                                         bandwidth=bandwidth))
+            add_speedups(cell)
             rows.extend(cell)
             del prefix
     return {
         "bandwidth_gb_s": round(bandwidth, 2),
-        "weight_bytes": weights,
-        "kv_bytes_per_token": per_entry,
+        "weight_bytes": weight_bytes(model),
+        "kv_bytes_per_token": kv_bytes_per_entry(model),
         "config": config.to_dict(),
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,

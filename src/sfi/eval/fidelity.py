@@ -14,13 +14,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
-from sfi.cache import SlowFastCache
+from sfi.caches import DecodeCache, FullCache
 from sfi.config import SFIConfig
-from sfi.decode import cache_argument
+from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
-from sfi.eval.methods import retention
+from sfi.methods import build_cache
 from sfi.prefix import SharedPrefill
 from sfi.scorers import Scorer
 
@@ -49,25 +48,20 @@ class FidelityResult:
 
 
 @torch.inference_mode()
-def _teacher_forced_logits(model: torch.nn.Module, cache: Any, prefix: SharedPrefill,
+def _teacher_forced_logits(model: torch.nn.Module, cache: DecodeCache, prefix: SharedPrefill,
                            ids: torch.Tensor, context: int, window: int
                            ) -> tuple[torch.Tensor, list[int]]:
     """``[N, V]`` logits predicting ``ids[context : context + N]``, and the slow steps."""
     prefix.load(cache)
-    key = cache_argument(model)
     device = ids.device
     steps = ids.shape[1] - context
-    positions = torch.arange(context - window, context, device=device)[None]
-    out = model(input_ids=ids[:, context - window: context], position_ids=positions,
-                use_cache=True, logits_to_keep=1, **{key: cache})
-    logits, slow = [out.logits[:, -1]], []
+    logits = [prefill(model, cache, ids[:, context - window: context], start=context - window)]
+    slow = []
     for step in range(1, steps):
-        token = ids[:, context + step - 1: context + step]
-        out = model(input_ids=token, position_ids=torch.tensor([[context + step - 1]],
-                                                               device=device),
-                    use_cache=True, **{key: cache})
-        logits.append(out.logits[:, -1])
-        if isinstance(cache, SlowFastCache) and cache.plan.slow is not None:
+        token = ids[0, context + step - 1: context + step]
+        position = torch.tensor([context + step - 1], device=device)
+        logits.append(decode_one(model, cache, token, position))
+        if "slow" in cache.step_kinds():
             slow.append(step)
     return torch.cat(logits).float(), slow
 
@@ -97,7 +91,7 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
     if prefix is None:
         prefix = SharedPrefill(model, ids[:, : context - window])
     target = ids[0, context:]
-    full, _ = _teacher_forced_logits(model, DynamicCache(config=model.config), prefix, ids,
+    full, _ = _teacher_forced_logits(model, FullCache(config=model.config), prefix, ids,
                                      context, window)
     log_full = F.log_softmax(full, dim=-1)
     ppl_full = float(torch.exp(-log_full[torch.arange(steps), target].mean()))
@@ -107,7 +101,7 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
         logits, slow = _teacher_forced_logits(model, cache, prefix, ids, context, window)
         log_method = F.log_softmax(logits, dim=-1)
         kl = (log_full.exp() * (log_full - log_method)).sum(dim=-1)
-        read, fast_read = retention(cache)
+        read, fast_read = cache.read_fraction()
         results.append(FidelityResult(
             method=name, context=context, tokens=steps, kl_mean=float(kl.mean()),
             kl_max=float(kl.max()),
@@ -118,10 +112,10 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
     return results
 
 
-def _build(model: torch.nn.Module, method: MethodSpec, tokenizer: Any) -> Any:
+def _build(model: torch.nn.Module, method: MethodSpec, tokenizer: Any) -> DecodeCache:
     if isinstance(method, SFIConfig):
-        return SlowFastCache(model, method, tokenizer=tokenizer)
+        return build_cache(model, tokenizer, "sfi", config=method)
     if isinstance(method, tuple):
         config, scorer = method
-        return SlowFastCache(model, config, tokenizer=tokenizer, scorer=scorer)
+        return build_cache(model, tokenizer, "sfi", config=config, scorer=scorer)
     return method()

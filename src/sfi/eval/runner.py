@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
+from sfi.caches import DecodeCache
 from sfi.config import SFIConfig
-from sfi.decode import cache_argument, eos_token_ids
+from sfi.decode import StopChecker, decode_one, prefill
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
-from sfi.eval.methods import Method, budget_tokens, parse_method, retention
 from sfi.eval.tasks import TASKS, Sample, make_sample, score
+from sfi.hf import eos_token_ids
+from sfi.methods import Method, budget_tokens, build_cache, parse_method
 from sfi.prefix import SharedPrefill
 
 WINDOW = 32  # SnapKV's observation window; SFI's evidence is the last 16 of these queries
@@ -59,32 +61,23 @@ class EvalRow:
 
 
 @torch.inference_mode()
-def greedy_continue(model: torch.nn.Module, cache: Any, prefill: SharedPrefill | None,
-                    ids: torch.Tensor, max_new_tokens: int, stop: set[int]) -> list[int]:
-    """Continue ``prefill`` (of ``ids[:, :P]``) through ``cache``: run ``ids[:, P:]`` as one
-    forward, then greedy decoding until a stop token or ``max_new_tokens``. Without a
-    ``prefill`` the cache prefills the whole prompt itself."""
+def greedy_continue(model: torch.nn.Module, cache: DecodeCache, shared: SharedPrefill | None,
+                    ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Continue ``shared`` (a prefill of ``ids[:, :P]``) through ``cache``: run ``ids[:, P:]``
+    as one forward, then greedy decoding until an end-of-sequence token or ``max_new_tokens``.
+    Without ``shared`` the cache prefills the whole prompt itself."""
     start = 0
-    if prefill is not None:
-        prefill.load(cache)
-        start = prefill.length
-    key, device = cache_argument(model), ids.device
-    total = ids.shape[1]
-    out = model(input_ids=ids[:, start:], position_ids=torch.arange(start, total,
-                                                                     device=device)[None],
-                use_cache=True, logits_to_keep=1, **{key: cache})
-    tokens: list[int] = []
-    while len(tokens) < max_new_tokens:
-        token = int(out.logits[0, -1].argmax())
-        if token in stop:
-            break
-        tokens.append(token)
-        if len(tokens) == max_new_tokens:
-            break
-        position = torch.tensor([[total + len(tokens) - 1]], device=device)
-        out = model(input_ids=torch.tensor([[token]], device=device), position_ids=position,
-                    use_cache=True, **{key: cache})
-    return tokens
+    if shared is not None:
+        shared.load(cache)
+        start = shared.length
+    total, device = ids.shape[1], ids.device
+    checker = StopChecker(None, eos, max_tokens=max_new_tokens)
+    logits = prefill(model, cache, ids[:, start:], start=start)
+    while not checker.push(int(logits[0].argmax())):
+        token = torch.tensor([checker.tokens[-1]], device=device)
+        position = torch.tensor([total + len(checker.tokens) - 1], device=device)
+        logits = decode_one(model, cache, token, position)
+    return checker.tokens
 
 
 def parse_runs(methods: Sequence[str], budgets: Sequence[float]
@@ -131,15 +124,16 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
         raise SFIError(f"a prompt of {sample.context} tokens is too short for a {window}-token "
                        "window")
     history = any(m.needs_history for m, _ in runs)
-    prefill = SharedPrefill(model, ids[:, :-window], history=history)
-    stop = set(eos_token_ids(model, tokenizer))
+    shared = SharedPrefill(model, ids[:, :-window], history=history)
+    eos = eos_token_ids(model, tokenizer)
     rows = []
     for method, budget in runs:
-        cache = method.build(model, tokenizer, sample.context, budget, base)
-        tokens = greedy_continue(model, cache, prefill, ids, sample.max_new_tokens, stop)
+        cache = build_cache(model, tokenizer, method, config=base, budget=budget,
+                            context=sample.context)
+        tokens = greedy_continue(model, cache, shared, ids, sample.max_new_tokens, eos)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        read, fast_read = retention(cache)
-        stats = cache.stats() if hasattr(cache, "stats") else None
+        read, fast_read = cache.read_fraction()
+        stats = cache.stats() if method.kind == "sfi" else None
         rows.append(EvalRow(
             task=sample.task, context=sample.target, prompt_tokens=sample.context,
             method=method.name, budget=budget,
@@ -156,12 +150,13 @@ def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index
     context = sample.context
     compared = [(m, b) for m, b in runs if m.kind != "full"]
     names = [f"{m.name}@{b:g}" for m, b in compared]
-    factories = {name: (lambda m=m, b=b: m.build(model, tokenizer, context, b, base))
+    factories = {name: (lambda m=m, b=b: build_cache(model, tokenizer, m, config=base,
+                                                      budget=b, context=context))
                  for name, (m, b) in zip(names, compared)}
     history = any(m.needs_history for m, _ in compared)
-    prefill = SharedPrefill(model, ids[:, : context - window], history=history)
+    shared = SharedPrefill(model, ids[:, : context - window], history=history)
     results = teacher_forced_fidelity(model, ids, context, factories, tokenizer=tokenizer,
-                                      window=window, prefix=prefill)
+                                      window=window, prefix=shared)
     rows = []
     ppl_full = results[0].ppl_full if results else None
     if any(m.kind == "full" for m, _ in runs):

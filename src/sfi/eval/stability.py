@@ -21,12 +21,14 @@ from typing import Any
 import torch
 
 from sfi.config import SFIConfig
-from sfi.decode import cache_argument
+from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
-from sfi.eviction.cache import EvictionCache, EvictionLayer
+from sfi.eviction.cache import EvictionCache
+from sfi.eviction.layer import EvictionLayer
+from sfi.planner import refresh_memory
 from sfi.scorers import Evidence
 from sfi.selector import SFISelector, top_k_positions
-from sfi.triggers import SentenceTrigger, make_trigger, token_classes
+from sfi.triggers import SentenceTrigger, make_trigger, observe, token_classes
 
 SINCE_BINS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -74,7 +76,9 @@ class _Recorder:
         mass = attention[0].sum(dim=1)  # [H, T], summed over the query heads of each group
         mass = mass / mass.sum(dim=-1, keepdim=True)
         t = mass.shape[-1]
-        lo, hi = self.config.sink, max(self.config.sink, t - self.config.recent)
+        memory = refresh_memory(t, 0, self.config.sink, self.config.recent,
+                                self.config.budget(t))
+        lo, hi = memory.sink_end, memory.recent_start
         i = layer.layer_idx
         if hi - lo >= self.top_k:
             middle = mass[:, lo:hi]
@@ -86,21 +90,20 @@ class _Recorder:
             self.step["to_boundary"].append(float(jaccard(support, self.at_boundary[i]).mean()))
             self.previous[i] = support
         if self.refresh or self.memory[i] is None:
-            self.memory[i] = self._select(layer, attention, lo, hi)
-        memory = self.memory[i]
-        grown = torch.ones(memory.shape[0], t - memory.shape[1], dtype=torch.bool,
-                           device=memory.device)  # tokens generated since the refresh
-        self.step["captured"].append(float((mass * torch.cat([memory, grown], -1)).sum(-1)
+            self.memory[i] = self._select(layer, attention, lo, hi, memory.k)
+        fast_memory = self.memory[i]
+        grown = torch.ones(fast_memory.shape[0], t - fast_memory.shape[1], dtype=torch.bool,
+                           device=fast_memory.device)  # tokens generated since the refresh
+        self.step["captured"].append(float((mass * torch.cat([fast_memory, grown], -1)).sum(-1)
                                            .mean()))
 
     def _select(self, layer: EvictionLayer, attention: torch.Tensor, lo: int,
-                hi: int) -> torch.Tensor:
+                hi: int, k: int) -> torch.Tensor:
         """SFI's fast memory after a slow step with this attention: ``[H, T]`` bool."""
         t = attention.shape[-1]
         h = attention.shape[1]
         positions = torch.arange(t, device=attention.device)
         candidates = ((positions >= lo) & (positions < hi))[None]
-        k = min(self.config.budget(t), hi - lo)
         memory = (positions < lo) | (positions >= hi)
         memory = memory[None].expand(h, t).clone()
         if k > 0:
@@ -134,16 +137,16 @@ def support_stability(model: torch.nn.Module, tokenizer: Any, ids: torch.Tensor,
     layers = model.config.get_text_config().num_hidden_layers
     recorder = _Recorder(config, top_k, layers)
     cache = EvictionCache(model, policy=None, observer=recorder)
-    key, device = cache_argument(model), ids.device
-    model(input_ids=ids[:, :context], use_cache=True, logits_to_keep=1, **{key: cache})
+    device = ids.device
+    prefill(model, cache, ids[:, :context])
     result = StabilityResult(context=context, tokens=ids.shape[1] - context, top_k=top_k,
                              k_selected=config.budget(context))
     since, since_refresh = 0, 0
     for step in range(ids.shape[1] - context):
         token = int(ids[0, context + step])  # the step's input, as a trigger sees it
         since, since_refresh = since + 1, since_refresh + 1
-        recorder.new_sentence = step == 0 or sentences.observe(token, since) is not None
-        recorder.refresh = step == 0 or refresh_trigger.observe(token, since_refresh) is not None
+        recorder.new_sentence = step == 0 or observe(sentences, token, since) is not None
+        recorder.refresh = step == 0 or observe(refresh_trigger, token, since_refresh) is not None
         if recorder.new_sentence:
             since = 0
             result.boundaries.append(step)
@@ -151,9 +154,8 @@ def support_stability(model: torch.nn.Module, tokenizer: Any, ids: torch.Tensor,
             since_refresh = 0
             result.refreshes.append(step)
         recorder.step.clear()
-        model(input_ids=ids[:, context + step: context + step + 1],
-              position_ids=torch.tensor([[context + step]], device=device), use_cache=True,
-              **{key: cache})
+        decode_one(model, cache, ids[0, context + step: context + step + 1],
+                   torch.tensor([context + step], device=device))
         if step:  # overlap with the previous step, from the second step on
             result.consecutive.append(mean(recorder.step["consecutive"]))
         result.to_boundary.append(mean(recorder.step["to_boundary"]))

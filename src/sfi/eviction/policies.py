@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from sfi.errors import SFIError
+from sfi.eviction.layer import EvictionLayer
 from sfi.scorers import Evidence
 from sfi.scorers.quest import page_bounds, page_scores
 from sfi.scorers.snapkv import SnapKVScorer
-
-if TYPE_CHECKING:
-    from sfi.eviction.cache import EvictionLayer
 
 
 def keep_top(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
@@ -115,7 +112,7 @@ class PyramidKV(SnapKV):
         flat = self.capacity - self.window
         low = flat // self.beta
         high = 2 * flat - low
-        n_layers = layer.owner.num_layers
+        n_layers = layer.num_layers
         if high > length - self.window or n_layers < 2:
             return flat
         return high - layer.layer_idx * (high - low) // (n_layers - 1)

@@ -9,7 +9,7 @@ is just another scorer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -49,6 +49,15 @@ class Evidence:
     query: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     history: torch.Tensor | None = None
+
+    def subset(self, index: torch.Tensor) -> Evidence:
+        """The evidence of the sequences ``index [n]`` only."""
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        return replace(self, logits=take(self.logits), key_norms=take(self.key_norms),
+                       candidates=take(self.candidates), lo=take(self.lo), hi=take(self.hi),
+                       query=take(self.query), keys=take(self.keys), history=take(self.history))
 
     def attention(self) -> torch.Tensor:
         """``[B, H, N, T]`` each row's softmax over the keys it may see (0 for a row that may

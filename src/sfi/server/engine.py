@@ -22,8 +22,10 @@ import torch
 
 from sfi.cache import SlowFastCache
 from sfi.config import SFIConfig
-from sfi.decode import cache_argument, eos_token_ids, sample_next
+from sfi.decode import StopChecker, decode_one, prefill, sample_next
 from sfi.errors import SFIError
+from sfi.hf import eos_token_ids
+from sfi.methods import build_cache
 from sfi.stats import DecodeStats
 
 EventSink = Callable[[str, Any], None]  # ("delta", text) ... then ("done", request)
@@ -47,17 +49,22 @@ class GenerationRequest:
     config: SFIConfig | None = None
     on_event: EventSink | None = None
     id: int = field(default_factory=itertools.count().__next__)
-    tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     stats: DecodeStats | None = None
     cancelled: bool = False
     _sent: int = 0
     _generator: torch.Generator | None = None
+    _checker: StopChecker | None = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens generated so far."""
+        return self._checker.tokens if self._checker is not None else []
 
 
 @dataclass
@@ -101,7 +108,6 @@ class Engine:
         self.metrics = EngineMetrics()
         self.eos = eos_token_ids(model, tokenizer)
         self.device = next(model.parameters()).device
-        self._cache_kw = cache_argument(model)
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._active: list[GenerationRequest] = []
         self._batch: SlowFastCache | None = None
@@ -179,18 +185,16 @@ class Engine:
             self._prefill(request)
 
     def _prefill(self, request: GenerationRequest) -> None:
-        config = request.config or self.config
-        cache = SlowFastCache(self.model, config, tokenizer=self.tokenizer,
-                              dense_only=request.mode == "full",
-                              max_cache_len=len(request.prompt_ids) + request.max_tokens + 1)
+        cache = build_cache(self.model, self.tokenizer, "sfi", config=request.config or self.config,
+                            dense_only=request.mode == "full",
+                            capacity=len(request.prompt_ids) + request.max_tokens + 1)
         if request.seed is not None:
             request._generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        request._checker = StopChecker(self.tokenizer, self.eos, request.stop, request.max_tokens)
         ids = torch.tensor([request.prompt_ids], device=self.device)
-        out = self.model(input_ids=ids, position_ids=torch.arange(ids.shape[1],
-                                                                  device=self.device)[None],
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        logits = prefill(self.model, cache, ids, start=0)
         self.metrics.prompt_tokens += len(request.prompt_ids)
-        if self._accept(request, out.logits[:, -1], cache, 0):
+        if self._accept(request, logits, cache, 0):
             return
         if self._batch is None:
             self._batch = cache
@@ -201,24 +205,23 @@ class Engine:
 
     @torch.inference_mode()
     def _step(self) -> None:
-        tokens = torch.tensor([[r.tokens[-1]] for r in self._active], device=self.device)
-        positions = torch.tensor([[p] for p in self._positions], device=self.device)
+        tokens = torch.tensor([r.tokens[-1] for r in self._active], device=self.device)
+        positions = torch.tensor(self._positions, device=self.device)
         start = time.perf_counter()
-        out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
-                         **{self._cache_kw: self._batch})
+        logits = decode_one(self.model, self._batch, tokens, positions)
         self._count_step(self._batch)
         for row, request in enumerate(self._active):
             self._positions[row] += 1
-            self._accept(request, out.logits[row: row + 1, -1], self._batch, row)
+            self._accept(request, logits[row: row + 1], self._batch, row)
         self.metrics.recent_steps.append((time.perf_counter() - start, len(self._active)))
         self._drop_finished()
 
     def _count_step(self, cache: SlowFastCache) -> None:
-        plan = cache.plan
+        kinds = cache.step_kinds()
         self.metrics.decode_steps += 1
-        self.metrics.dense_steps += len(plan.dense)
-        self.metrics.slow_steps += len(plan.slow.rows) if plan.slow else 0
-        self.metrics.fast_steps += len(plan.fast.rows) if plan.fast else 0
+        self.metrics.dense_steps += kinds.count("dense")
+        self.metrics.slow_steps += kinds.count("slow")
+        self.metrics.fast_steps += kinds.count("fast") + kinds.count("lagged")
 
     def _accept(self, request: GenerationRequest, logits: torch.Tensor, cache: SlowFastCache,
                 row: int) -> bool:
@@ -227,21 +230,21 @@ class Engine:
                                 request._generator)[0])
         if request.cancelled:
             return self._finish(request, "cancelled", cache, row)
-        if token in self.eos:
+        checker = request._checker
+        kept = token not in self.eos
+        checker.push(token)
+        if kept:
+            self.metrics.generated_tokens += 1
+        if checker.finish_reason == "stop":
+            request.text = checker.text
+            if kept:
+                self._emit_delta(request)
             return self._finish(request, "stop", cache, row)
-        request.tokens.append(token)
-        self.metrics.generated_tokens += 1
-        text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)
-        hit = [text.index(s) for s in request.stop if s in text]
-        if hit:
-            request.text = text[: min(hit)]
+        request.text = checker.text
+        if not request.text.endswith("\ufffd"):  # hold back an incomplete UTF-8 character
             self._emit_delta(request)
-            return self._finish(request, "stop", cache, row)
-        request.text = text
-        if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 character
-            self._emit_delta(request)
-        if len(request.tokens) >= request.max_tokens:
-            request.text = text.rstrip("\ufffd")
+        if checker.finish_reason == "length":
+            request.text = request.text.rstrip("\ufffd")
             self._emit_delta(request)
             return self._finish(request, "length", cache, row)
         return False

@@ -1,0 +1,369 @@
+"""One attention layer of a slow-fast cache: its tensors, and how it carries out a step's plan.
+
+``SlowFastLayer`` stores the full KV of one layer, preallocated and grown by doubling (append is
+amortised O(1)), the L2 norm of every cached key (the Selector's prior), and the compact buffer
+that packs the sink and selected entries of every (sequence, KV head) contiguously. It never
+points back to its cache: :meth:`SlowFastLayer.attend` gets the step (plan, rebuilder) as an
+argument and follows the plan:
+
+- prefill (several queries): dense attention as the model computes it, then, for the rows the
+  plan refreshes, a first selection from the last W queries;
+- ``dense`` rows: attention over the whole cache;
+- ``slow`` rows: the same dense attention, whose logits are the evidence from which the rows'
+  scorer refreshes the compact buffer;
+- ``fast`` rows: one softmax over the compact buffer and the recent window read in place,
+  O(S + K + R) entries per KV head whatever the context length.
+
+Shapes: B sequences, Hq query heads, H KV heads, G = Hq / H, T cache length, D head size,
+C compact slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from sfi.context import StepContext, current_step
+from sfi.errors import SFIError
+from sfi.kernels import dense_attention, dense_fallback, fast_attention, window_logits
+from sfi.overlap import StagedCompact
+from sfi.planner import SlowRows, StepPlan
+from sfi.rows import Rows
+from sfi.scorers import Evidence
+from sfi.selector import top_k_positions
+
+
+class SlowFastLayer(CacheLayerMixin):
+    """Full KV of one attention layer, with key norms and the compact buffer.
+
+    Storage ``[B, H, capacity, D]``; ``keys``/``values`` are views of the filled part
+    ``[B, H, T, D]``; ``key_norms`` is ``[B, H, T]``. The compact buffer ``[B, H, C, D]`` holds,
+    per row, its S sink slots then its selected slots; ``compact_positions [B, H, C]`` says
+    which cache position each slot holds.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, initial_capacity: int = 256):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.initial_capacity = max(initial_capacity, 16)
+        self.length = 0
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._norms: torch.Tensor | None = None
+        self.compact_keys: torch.Tensor | None = None
+        self.compact_values: torch.Tensor | None = None
+        self.compact_positions: torch.Tensor | None = None
+        self.pending: StagedCompact | None = None
+
+    # --- the CacheLayerMixin interface -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        capacity = self.initial_capacity
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._keys = key_states.new_zeros(b, h, capacity, d)
+        self._values = value_states.new_zeros(b, h, capacity, value_states.shape[-1])
+        self._norms = torch.zeros(b, h, capacity, dtype=torch.float32, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states``/``value_states`` ``[B, H, L, D]``; return the filled views.
+
+        Only inside a forward that the cache planned (the model's routing hook plans it)."""
+        step = current_step()
+        if step is None or step.layer(self.layer_idx) is not self:
+            raise SFIError(
+                "this SlowFastCache was not planned for this forward pass: call the model it was "
+                "built with (its forward hook plans each step), not a submodule")
+        return self.append(key_states, value_states)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``[B, H, L, D]`` keys/values after the filled part (and the keys' norms)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        if end > self._keys.shape[-2]:
+            self._grow(end)
+        self._keys[:, :, start:end] = key_states
+        self._values[:, :, start:end] = value_states
+        self._norms[:, :, start:end] = torch.linalg.vector_norm(key_states.float(), dim=-1)
+        self.length = end
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers < 5.20 passes cache_position
+            query_length = query_length.shape[0]
+        return self.length + int(query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        self.compact_keys = self.compact_values = self.compact_positions = None
+        self.pending = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise SFIError("SlowFastCache cannot be cropped (assisted or speculative decoding is not "
+                       "supported with slow-fast decoding)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise SFIError("SlowFastCache does not support beam search; use greedy or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise SFIError("SlowFastCache cannot be expanded after prefill; build one per batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise SFIError("SlowFastCache cannot drop sequences this way; use SlowFastCache.keep")
+
+    # --- views ---------------------------------------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:  # CacheLayerMixin.__init__ assigns None
+        if value is not None:
+            raise SFIError("SlowFastLayer storage is written through update() only")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise SFIError("SlowFastLayer storage is written through update() only")
+
+    @property
+    def key_norms(self) -> torch.Tensor:
+        """``[B, H, T]`` L2 norm of every cached key."""
+        return self._norms[:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else self._keys.shape[-2]
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self._keys.shape[-2])
+        for name in ("_keys", "_values", "_norms"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    # --- the compact buffer --------------------------------------------------------------------
+    def pack(self, slow: SlowRows, selected: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gather the sink + ``selected [n, H, k]`` entries of the ``slow`` rows:
+        ``(keys, values)`` ``[n, H, W, D]`` and their ``positions [n, H, W]``, each row's S
+        sink slots first (W = S_max + k)."""
+        n, h = len(slow.rows), self._keys.shape[1]
+        sinks = slow.sink_positions[:, None, :].expand(n, h, -1)
+        if slow.uniform_sink is not None or selected.shape[-1] == 0:
+            positions = torch.cat([sinks, selected], dim=-1)
+        else:  # rows with different S: row b's selected slots start at its own S_b
+            width = sinks.shape[-1] + selected.shape[-1]
+            slot = torch.arange(width, device=self.device)[None, :]
+            from_selected = (slot - slow.sinks[:, None]).clamp(0, selected.shape[-1] - 1)
+            chosen = selected.gather(-1, from_selected[:, None, :].expand(n, h, width))
+            padded = torch.cat([sinks, sinks[..., :1].expand(n, h, selected.shape[-1])], dim=-1)
+            positions = torch.where(slot[:, None, :] < slow.sinks[:, None, None], padded, chosen)
+        row_index = slow.rows.index[:, None, None]
+        head_index = torch.arange(h, device=self.device)[None, :, None]
+        return (self._keys[row_index, head_index, positions],
+                self._values[row_index, head_index, positions], positions)
+
+    def settle(self, wait: bool = False) -> Rows | None:
+        """Commit a pending rebuild that is ready (or, with ``wait``, once it is); return the
+        rows whose rebuild is still running, which must read densely for now."""
+        staged = self.pending
+        if staged is None:
+            return None
+        if not (wait or staged.ready()):
+            return staged.rows
+        staged.wait()
+        self.ensure_compact(staged.width)
+        width = staged.keys.shape[-2]
+        staged.rows.put(self.compact_keys[:, :, :width], staged.keys)
+        staged.rows.put(self.compact_values[:, :, :width], staged.values)
+        staged.rows.put(self.compact_positions[:, :, :width], staged.positions)
+        self.pending = None
+        return None
+
+    def ensure_compact(self, width: int) -> None:
+        """Allocate the compact buffer, or grow it to ``width`` slots (contents kept)."""
+        b, h, _, d = self._keys.shape
+        if self.compact_keys is not None and self.compact_keys.shape[-2] >= width:
+            return
+        old = (self.compact_keys, self.compact_values, self.compact_positions)
+        self.compact_keys = self._keys.new_zeros(b, h, width, d)
+        self.compact_values = self._values.new_zeros(b, h, width, self._values.shape[-1])
+        self.compact_positions = torch.zeros(b, h, width, dtype=torch.long, device=self.device)
+        if old[0] is not None:
+            filled = old[0].shape[-2]
+            for new, previous in zip((self.compact_keys, self.compact_values,
+                                      self.compact_positions), old):
+                new[:, :, :filled] = previous
+
+    # --- continuous batching ---------------------------------------------------------------------
+    def absorb(self, other: SlowFastLayer, length: int, shifts: tuple[int, int],
+               compact_width: int) -> None:
+        """Stack ``other``'s sequences under this layer's, both right-aligned at ``length``."""
+        self.settle(wait=True)
+        other.settle(wait=True)
+        capacity = max(self.capacity, other.capacity, length + 16)
+        parts = ((self, shifts[0]), (other, shifts[1]))
+        for layer, _ in parts:
+            layer.ensure_compact(compact_width)
+        for name in ("_keys", "_values", "_norms"):
+            stacked = []
+            for layer, shift in parts:
+                old = getattr(layer, name)
+                new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
+                new[:, :, shift:length] = old[:, :, : layer.length]
+                stacked.append(new)
+            setattr(self, name, torch.cat(stacked))
+        buffers = []
+        for name in ("compact_keys", "compact_values", "compact_positions"):
+            stacked = []
+            for layer, shift in parts:
+                old = getattr(layer, name)
+                new = old.new_zeros(old.shape[0], old.shape[1], compact_width, *old.shape[3:])
+                new[:, :, : old.shape[2]] = old + shift if name == "compact_positions" else old
+                stacked.append(new)
+            buffers.append(torch.cat(stacked))
+        self.compact_keys, self.compact_values, self.compact_positions = buffers
+        self.length = length
+
+    def keep(self, index: torch.Tensor, trim: int) -> None:
+        """Keep the sequences ``index`` and drop the first ``trim`` positions (padding)."""
+        self.settle(wait=True)
+        for name in ("_keys", "_values", "_norms", "compact_keys", "compact_values",
+                     "compact_positions"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, index))
+        if trim:
+            for name in ("_keys", "_values", "_norms"):
+                tensor = getattr(self, name)
+                tensor[:, :, : self.length - trim] = tensor[:, :, trim: self.length].clone()
+            if self.compact_positions is not None:
+                self.compact_positions -= trim
+            self.length -= trim
+
+    # --- attention -------------------------------------------------------------------------------
+    def attend(self, step: StepContext, module: torch.nn.Module, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
+               ) -> tuple[torch.Tensor, None]:
+        """This layer's attention for ``query [B, Hq, Q, D]`` -> ``([B, Q, Hq, D], None)``."""
+        plan: StepPlan = step.plan
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        softcap = kwargs.get("softcap")
+        if query.shape[2] > 1:
+            out, _ = dense_fallback(module, query, key, value, attention_mask, dropout=dropout,
+                                    scaling=scaling, **kwargs)
+            if plan.slow is not None:
+                self._select_after_prefill(step, plan.slow, query, scale, softcap)
+            return out, None
+        return self._decode(step, plan, query, scale, softcap), None
+
+    def _decode(self, step: StepContext, plan: StepPlan, query: torch.Tensor, scale: float,
+                softcap: float | None) -> torch.Tensor:
+        """One decode step for the whole batch: ``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``."""
+        b, hq, _, d = query.shape
+        keys, values = self.keys, self.values
+        h = keys.shape[1]
+        q = query.reshape(b, h, hq // h, d)
+        out = q.new_empty(b, h, hq // h, values.shape[-1])
+        rebuilding = self.settle()  # rows whose compact rebuild is still running read densely
+
+        def dense(rows: Rows, refresh: SlowRows | None = None) -> None:
+            bias = rows.take(plan.pad_bias) if plan.pad_bias is not None else None
+            o, logits = dense_attention(rows.take(q), rows.take(keys), rows.take(values), bias,
+                                        scale, softcap)
+            rows.put(out, o)
+            if refresh is not None:
+                self._refresh(step, refresh, logits, query=rows.take(q))
+
+        if plan.dense:
+            dense(plan.dense)
+        if plan.slow:
+            dense(plan.slow.rows, plan.slow)
+        if plan.fast:
+            fast, width = plan.fast, plan.compact_width
+            rows = fast.rows
+            self.ensure_compact(width)
+            o = fast_attention(rows.take(q),
+                               rows.take(self.compact_keys[:, :, :width]),
+                               rows.take(self.compact_values[:, :, :width]), fast.compact_bias,
+                               rows.take(keys[:, :, fast.read_start:]),
+                               rows.take(values[:, :, fast.read_start:]), fast.recent_bias,
+                               scale, softcap)
+            rows.put(out, o)
+            if rebuilding is not None:
+                lagging = rows.intersect(rebuilding)
+                if lagging:
+                    dense(lagging)
+                    step.record_lag(lagging.indices)
+        return out.reshape(b, 1, hq, -1)
+
+    # --- the slow step's refresh -----------------------------------------------------------
+    def _select_after_prefill(self, step: StepContext, slow: SlowRows, query: torch.Tensor,
+                              scale: float, softcap: float | None) -> None:
+        """First selection of a sequence: evidence from the last W queries of the prompt."""
+        bias = slow.evidence_bias  # [n, W, T]
+        w = bias.shape[1]
+        q = slow.rows.take(query[:, :, -w:])  # [n, Hq, W, D]
+        keys = slow.rows.take(self.keys)
+        logits = window_logits(q, keys, bias, scale, softcap)  # [n, H, G * W, T]
+        grouped = q.reshape(q.shape[0], keys.shape[1], -1, q.shape[-1])  # [n, H, G * W, D]
+        self._refresh(step, slow, logits, queries=w, query=grouped)
+
+    def _refresh(self, step: StepContext, slow: SlowRows, logits: torch.Tensor,
+                 queries: int = 1, query: torch.Tensor | None = None) -> None:
+        """Score the middle region from ``logits [n, H, N, T]`` (of the evidence queries
+        ``query [n, H, N, D]``) and rebuild the compact buffer of the ``slow`` rows.
+
+        The rebuild goes through the step's rebuilder: inline (committed at once), or on a CUDA
+        side stream (committed when the layer next runs and finds it ready)."""
+        self.settle(wait=True)  # a newer refresh supersedes a pending one
+        key_norms = slow.rows.take(self.key_norms)
+        cached_keys = slow.rows.take(self.keys) if query is not None else None
+        evidence = Evidence(logits=logits, key_norms=key_norms, candidates=slow.candidates,
+                            lo=slow.lo, hi=slow.hi, layer_idx=self.layer_idx, queries=queries,
+                            query=query, keys=cached_keys)
+
+        def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            positions, _ = top_k_positions(score_rows(slow, evidence), slow.candidates, slow.k)
+            return self.pack(slow, positions)
+
+        inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sinks,
+                  slow.sink_positions, self._keys, self._values]
+        if query is not None:
+            inputs += [query, cached_keys]
+        self.pending = step.rebuilder.submit(slow.rows, rebuild, inputs, step.plan.compact_width)
+        self.settle()
+
+
+def score_rows(slow: SlowRows, evidence: Evidence) -> torch.Tensor:
+    """``[n, H, T]`` scores of the slow rows, each row by its own sequence's scorer."""
+    (scorer, local), *others = slow.scorers
+    if not others:
+        return scorer.score(evidence)
+    scores = torch.empty_like(evidence.key_norms, dtype=torch.float32)
+    for scorer, local in slow.scorers:
+        part = evidence.subset(local.index)
+        local.put(scores, scorer.score(part).float())
+    return scores

@@ -1,0 +1,115 @@
+"""Methods by name, and the one function that builds the cache a method decodes through.
+
+``full`` is transformers' ``DynamicCache`` (``full-static``: its ``StaticCache``); ``sfi`` and
+``sfi+<scorer>`` are slow-fast decoding with the SFI Selector or another scorer at the slow
+steps; ``streamingllm``, ``snapkv``, ``pyramidkv``, ``h2o``, ``tova`` and ``quest`` are the
+eviction baselines. In a comparison every method gets the same budget C tokens per KV head
+(``budget`` as a fraction of the context, or as tokens when above 1); SFI spends it as
+S + K + R (sink, selected, recent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from sfi.cache import SlowFastCache
+from sfi.caches import DecodeCache, FullCache, FullStaticCache
+from sfi.config import SFIConfig
+from sfi.errors import SFIError
+from sfi.eviction import POLICIES, EvictionCache, make_policy
+from sfi.scorers import Scorer
+from sfi.scorers.registry import make_scorer
+
+SFI_RECENT = 256  # METHOD.md's R, shortened to C / 2 when the budget is smaller
+
+
+def budget_tokens(budget: float, context: int) -> int:
+    """C for a context of ``context`` tokens: ``budget`` x context when ``budget <= 1``,
+    else ``budget`` tokens (a whole number)."""
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
+        raise SFIError(f"a budget must be a positive number, got {budget!r}")
+    if budget <= 1:
+        return max(1, math.ceil(budget * context))
+    if budget != int(budget):
+        raise SFIError(f"a budget above 1 counts tokens and must be whole, got {budget}")
+    return int(budget)
+
+
+def sfi_config_for(capacity: int, base: SFIConfig | None = None) -> SFIConfig:
+    """SFI's knobs for a budget of ``capacity`` tokens per KV head: S = 4 sinks, R = min(256,
+    C / 2) recent, K = C - S - R selected (K = 0 when C leaves no room)."""
+    base = base or SFIConfig()
+    recent = max(1, min(SFI_RECENT, capacity // 2))
+    k = max(0, capacity - base.sink - recent)
+    return replace(base, recent=recent, k_head=k, k_fraction=None)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of a comparison: ``kind`` is "full", "full-static", "sfi" or "eviction";
+    ``scorer`` names SFI's slow-step scorer or the eviction rule."""
+
+    name: str
+    kind: str
+    scorer: str | None = None
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the method needs the prefill's accumulated attention (H2O)."""
+        return self.kind == "eviction" and POLICIES[self.scorer](1).tracks_attention
+
+
+def parse_method(name: str) -> Method:
+    """``full``, ``full-static``, ``sfi``, ``sfi+<scorer>`` or an eviction baseline's name."""
+    if name in ("full", "full-static"):
+        return Method(name, name)
+    if name == "sfi":
+        return Method(name, "sfi", "sfi")
+    if name.startswith("sfi+"):
+        scorer = name[4:]
+        make_scorer(scorer, SFIConfig())  # a clear error for an unknown or unfit scorer
+        return Method(name, "sfi", scorer)
+    if name in POLICIES:
+        return Method(name, "eviction", name)
+    raise SFIError(f"unknown method {name!r}; choose from full, sfi, sfi+<scorer>, "
+                   f"{', '.join(POLICIES)}")
+
+
+def build_cache(model: torch.nn.Module, tokenizer: Any, method: str | Method, *,
+                config: SFIConfig | None = None, budget: float | None = None,
+                context: int | None = None, scorer: Scorer | None = None,
+                capacity: int | None = None, dense_only: bool = False) -> DecodeCache:
+    """A fresh cache for ``method``.
+
+    Args:
+        method: a name (see :func:`parse_method`) or a parsed :class:`Method`.
+        config: SFI's knobs; with a ``budget`` only those other than S + K + R are taken.
+        budget: tokens per KV head C, as a fraction of ``context`` (<= 1) or tokens; required
+            by the eviction baselines; for SFI it sets K and R (:func:`sfi_config_for`).
+        context: the prompt's length, for a fractional budget.
+        scorer: SFI's slow-step scorer, overriding the method's.
+        capacity: a hint of the tokens the cache will hold (prompt + new tokens); required by
+            ``full-static``.
+        dense_only: SFI sequences decoded densely (full attention that can share a batch).
+    """
+    method = parse_method(method) if isinstance(method, str) else method
+    if method.kind == "full":
+        return FullCache(config=model.config)
+    if method.kind == "full-static":
+        if capacity is None:
+            raise SFIError("full-static needs the capacity of its cache")
+        return FullStaticCache(config=model.config, max_cache_len=capacity)
+    limit = None if budget is None else budget_tokens(budget, context or 0)
+    if method.kind == "eviction":
+        if limit is None:
+            raise SFIError(f"{method.name} needs a budget (tokens kept per KV head)")
+        return EvictionCache(model, make_policy(method.scorer, limit))
+    sfi_config = sfi_config_for(limit, config) if limit is not None else config or SFIConfig()
+    if scorer is None and method.scorer != "sfi":
+        scorer = make_scorer(method.scorer, sfi_config)
+    return SlowFastCache(model, sfi_config, tokenizer=tokenizer, scorer=scorer,
+                         max_cache_len=capacity, dense_only=dense_only)

@@ -1,0 +1,375 @@
+"""Per-sequence state and the planner that decides what each forward pass does.
+
+Before a forward pass, :meth:`Planner.plan` turns the sequences' state and the new input tokens
+into a frozen :class:`StepPlan`: which rows attend densely (short contexts, prefill without a
+budget, full-attention sequences), which take a **slow** step and refresh their selection, and
+which take a **fast** step; the geometry of every refresh; and every attention bias the layers
+need. Planning reads the state and changes nothing. After the pass, :meth:`Planner.commit`
+applies the plan (new geometry, counters, triggers) and records the statistics of what the step
+actually did (a fast row whose rebuild was not ready read some layers densely).
+
+Shapes: B sequences, n rows of a subset, T cache length after this forward, W evidence queries,
+C compact slots (sink + selected) per KV head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sfi.config import SFIConfig
+from sfi.kernels import additive_bias, causal_mask
+from sfi.rows import Rows
+from sfi.scorers import Scorer
+from sfi.stats import DecodeStats
+from sfi.triggers import BOOTSTRAP, RefreshTrigger
+
+DENSE, SLOW, FAST, LAGGED = "dense", "slow", "fast", "lagged"
+STEP_KINDS: tuple[str, ...] = (DENSE, SLOW, FAST, LAGGED)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where one sequence's fast memory lies after a refresh (cache positions).
+
+    Sinks are ``[pad, sink_end)``, the middle region ``[sink_end, recent_start)`` (from which
+    ``k`` positions per KV head are selected), the recent window ``[recent_start, T)`` (it
+    grows by one position per step until the next refresh). ``sink`` is the sequence's S (the
+    compact slots before the selected ones).
+    """
+
+    pad: int
+    sink: int
+    sink_end: int
+    recent_start: int
+    k: int
+
+    @property
+    def sink_count(self) -> int:
+        return self.sink_end - self.pad
+
+    def read(self, total: int) -> int:
+        """Entries a fast step at cache length ``total`` reads per KV head."""
+        return self.sink_count + self.k + total - self.recent_start
+
+
+def refresh_memory(total: int, pad: int, sink: int, recent: int, budget: int) -> Memory:
+    """The memory of a refresh at cache length ``total`` for a sequence whose real tokens start
+    at ``pad``: S sinks, the last R tokens, and ``min(budget, middle length)`` selected."""
+    recent_start = max(total - recent, pad)
+    sink_end = min(pad + sink, recent_start)
+    return Memory(pad=pad, sink=sink, sink_end=sink_end, recent_start=recent_start,
+                  k=min(budget, recent_start - sink_end))
+
+
+@dataclass
+class SequenceState:
+    """What one sequence carries between steps: its config, trigger, scorer, selection and
+    counters. ``memory`` is None until its first selection."""
+
+    pad: int
+    config: SFIConfig
+    trigger: RefreshTrigger
+    scorer: Scorer
+    dense_only: bool = False
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    steps_since_refresh: int = 0
+    memory: Memory | None = None
+
+
+@dataclass(frozen=True)
+class SlowRows:
+    """The sequences refreshed in this forward, one entry per row of ``rows``.
+
+    Attributes:
+        rows: which sequences.
+        memories: each row's new memory.
+        lo, hi: ``[n]`` the middle region [lo, hi) each selects from.
+        k: ``[n]`` how many positions each keeps per KV head.
+        sinks: ``[n]`` each row's S (its compact slots before the selected ones).
+        candidates: ``[n, T]`` bool, the middle region as a mask.
+        sink_positions: ``[n, S_max]`` positions of the sink entries (clamped where a row has
+            fewer).
+        scorers: ``(scorer, local rows)`` pairs; local rows index into ``rows`` (None: all).
+        evidence_bias: ``[n, W, T]`` causal and padding bias of the last W queries of a
+            multi-token forward (after prefill); None at a decode-time slow step.
+    """
+
+    rows: Rows
+    memories: tuple[Memory, ...]
+    lo: torch.Tensor
+    hi: torch.Tensor
+    k: torch.Tensor
+    sinks: torch.Tensor
+    candidates: torch.Tensor
+    sink_positions: torch.Tensor
+    scorers: tuple[tuple[Scorer, Rows | None], ...]
+    evidence_bias: torch.Tensor | None = None
+
+    @property
+    def uniform_sink(self) -> int | None:
+        """S when every row has the same, else None."""
+        sinks = {m.sink for m in self.memories}
+        return sinks.pop() if len(sinks) == 1 else None
+
+
+@dataclass(frozen=True)
+class FastRows:
+    """The sequences that take a fast step in this forward.
+
+    Attributes:
+        rows: which sequences.
+        read_start: first cache position of the recent window read in place (min over rows).
+        recent_bias: ``[n, 1, 1, T - read_start]`` masks positions before each row's own
+            recent start, or None when every row starts at ``read_start``.
+        compact_bias: ``[n, 1, 1, C]`` masks the unused slots of the compact buffer.
+    """
+
+    rows: Rows
+    read_start: int
+    recent_bias: torch.Tensor | None
+    compact_bias: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every layer does in one forward pass, decided before it runs.
+
+    ``dense`` rows attend to the whole cache without refreshing; ``slow`` rows attend densely
+    and refresh their selection; ``fast`` rows read the compact buffer plus the recent window.
+    ``pad_bias [B, 1, 1, T]`` masks left padding wherever a row may read densely (None when no
+    row is padded or none reads densely). ``compact_width`` is C, the compact slots the layers
+    hold after this step. ``reasons`` holds each slow row's refresh reason.
+    """
+
+    query_length: int
+    total_length: int
+    decode: bool
+    kinds: tuple[str, ...]
+    reasons: tuple[str | None, ...]
+    tokens: tuple[int | None, ...]
+    dense: Rows
+    slow: SlowRows | None
+    fast: FastRows | None
+    pad_bias: torch.Tensor | None
+    compact_width: int
+
+
+TriggerFactory = Callable[[SFIConfig, int], RefreshTrigger]
+ScorerFactory = Callable[[SFIConfig], Scorer]
+
+
+class Planner:
+    """The sequences of one batch and the decisions of each step.
+
+    ``compact_width`` (C) only grows: it is the widest sink + K any refresh has needed.
+    """
+
+    def __init__(self) -> None:
+        self.sequences: list[SequenceState] = []
+        self.compact_width = 0
+
+    def start(self, pads: Sequence[int], config: SFIConfig, trigger: TriggerFactory,
+              scorer: Scorer, dense_only: bool) -> None:
+        """Begin a batch whose rows have ``pads`` padding tokens each."""
+        self.sequences = [SequenceState(pad=int(p), config=config, trigger=trigger(config, row),
+                                        scorer=scorer, dense_only=dense_only)
+                          for row, p in enumerate(pads)]
+        self.compact_width = config.sink
+
+    # --- planning ---------------------------------------------------------------------------
+    def plan(self, tokens: Sequence[int | None], query_length: int, past: int,
+             device: torch.device, may_lag: bool = False) -> StepPlan:
+        """Decide, per sequence, whether this forward is dense, slow or fast.
+
+        ``tokens`` are the last input token of each row (what the triggers observe);
+        ``may_lag`` says that a fast row may find its rebuild not ready and read densely (an
+        asynchronous rebuilder), so the padding bias is needed even without dense rows.
+        """
+        total = past + query_length
+        decode = query_length == 1 and past > 0
+        kinds, reasons = [], []
+        for seq, token in zip(self.sequences, tokens):
+            pays = not seq.dense_only and seq.config.sparse_pays(total - seq.pad)
+            reason = None
+            if not decode:
+                kind = SLOW if pays else DENSE
+                reason = BOOTSTRAP if pays else None
+            elif not pays:
+                kind = DENSE
+            else:
+                fired = None
+                if token is not None:
+                    fired = seq.trigger.decide(token, seq.steps_since_refresh + 1)
+                if seq.memory is None:
+                    kind, reason = SLOW, BOOTSTRAP
+                elif fired is not None:
+                    kind, reason = SLOW, fired
+                else:
+                    kind = FAST
+            kinds.append(kind)
+            reasons.append(reason)
+        slow_rows = [r for r, k in enumerate(kinds) if k == SLOW]
+        fast_rows = [r for r, k in enumerate(kinds) if k == FAST]
+        dense_rows = [r for r, k in enumerate(kinds) if k == DENSE]
+        slow = self._plan_slow(slow_rows, total, query_length, device)
+        width = self.compact_width
+        if slow is not None:
+            width = max(width, max(m.sink + m.k for m in slow.memories))
+        fast = self._plan_fast(fast_rows, total, width, device)
+        reads_densely = bool(dense_rows or slow_rows) or (may_lag and bool(fast_rows))
+        return StepPlan(query_length=query_length, total_length=total, decode=decode,
+                        kinds=tuple(kinds), reasons=tuple(reasons), tokens=tuple(tokens),
+                        dense=self._rows(dense_rows, device), slow=slow, fast=fast,
+                        pad_bias=self.pad_bias(total, device) if reads_densely else None,
+                        compact_width=width)
+
+    def _rows(self, indices: list[int], device: torch.device) -> Rows:
+        return Rows(tuple(indices), len(self.sequences), device)
+
+    def _plan_slow(self, rows: list[int], total: int, query_length: int,
+                   device: torch.device) -> SlowRows | None:
+        if not rows:
+            return None
+        seqs = [self.sequences[r] for r in rows]
+        memories = tuple(refresh_memory(total, s.pad, s.config.sink, s.config.recent,
+                                        s.config.budget(total - s.pad)) for s in seqs)
+        s_max = max(m.sink for m in memories)
+        sinks = [[min(m.pad + j, max(m.sink_end - 1, m.pad)) for j in range(s_max)]
+                 for m in memories]
+        lo = torch.tensor([m.sink_end for m in memories], device=device)
+        hi = torch.tensor([m.recent_start for m in memories], device=device)
+        positions = torch.arange(total, device=device)
+        candidates = (positions[None, :] >= lo[:, None]) & (positions[None, :] < hi[:, None])
+        evidence_bias = None
+        if query_length > 1:
+            windows = [min(s.config.evidence_window, query_length) for s in seqs]
+            evidence_bias = self._evidence_bias(memories, windows, total, device)
+        return SlowRows(
+            rows=self._rows(rows, device), memories=memories, lo=lo, hi=hi,
+            k=torch.tensor([m.k for m in memories], device=device),
+            sinks=torch.tensor([m.sink for m in memories], device=device),
+            candidates=candidates,
+            sink_positions=torch.tensor(sinks, dtype=torch.long, device=device),
+            scorers=_scorer_groups([s.scorer for s in seqs], device),
+            evidence_bias=evidence_bias)
+
+    @staticmethod
+    def _evidence_bias(memories: Sequence[Memory], windows: Sequence[int], total: int,
+                       device: torch.device) -> torch.Tensor:
+        """``[n, W, T]``: query j (at ``total - W + j``) of a row sees the keys from the row's
+        first real token up to itself, if it is among the row's own last W_b queries (a
+        padding query, or one outside the row's window, sees nothing: no evidence)."""
+        w = max(windows)
+        pads = torch.tensor([m.pad for m in memories], device=device)
+        allowed = causal_mask(total, w, device, pads=pads)
+        if min(windows) != w:
+            query_pos = torch.arange(total - w, total, device=device)
+            first = torch.tensor([total - wb for wb in windows], device=device)
+            allowed = allowed & (query_pos[None, :, None] >= first[:, None, None])
+        return additive_bias(allowed)
+
+    def _plan_fast(self, rows: list[int], total: int, width: int,
+                   device: torch.device) -> FastRows | None:
+        if not rows:
+            return None
+        memories = [self.sequences[r].memory for r in rows]
+        starts = [m.recent_start for m in memories]
+        read_start = min(starts)
+        recent_bias = None
+        if max(starts) != read_start:
+            positions = torch.arange(read_start, total, device=device)
+            first = torch.tensor(starts, device=device)
+            recent_bias = additive_bias(positions[None, :] >= first[:, None])[:, None, None, :]
+        slot = torch.arange(width, device=device)[None, :]
+        sink_count = torch.tensor([m.sink_count for m in memories], device=device)[:, None]
+        sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
+        k = torch.tensor([m.k for m in memories], device=device)[:, None]
+        valid = (slot < sink_count) | ((slot >= sink) & (slot < sink + k))
+        compact_bias = additive_bias(valid)[:, None, None, :]
+        return FastRows(self._rows(rows, device), read_start, recent_bias, compact_bias)
+
+    def pad_bias(self, total: int, device: torch.device) -> torch.Tensor | None:
+        """``[B, 1, 1, T]``: -inf on each sequence's left padding; None when none is padded."""
+        pads = [seq.pad for seq in self.sequences]
+        if not any(pads):
+            return None
+        positions = torch.arange(total, device=device)
+        allowed = positions[None, :] >= torch.tensor(pads, device=device)[:, None]
+        return additive_bias(allowed)[:, None, None, :]
+
+    # --- after the step ---------------------------------------------------------------------
+    def commit(self, plan: StepPlan, lagged: dict[int, int], layers: int) -> None:
+        """Apply ``plan`` once its forward has run. ``lagged[row]`` counts the layers (of
+        ``layers``) at which a fast row read densely because its rebuild was not ready."""
+        slow_memories = dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow \
+            else {}
+        for row, (seq, kind) in enumerate(zip(self.sequences, plan.kinds)):
+            if plan.decode:
+                steps = seq.steps_since_refresh + 1
+                token = plan.tokens[row]
+                if token is not None:
+                    seq.trigger.advance(token, steps)
+                seq.steps_since_refresh = steps
+            if kind == SLOW:
+                seq.memory = slow_memories[row]
+                seq.steps_since_refresh = 0
+                seq.stats.refresh_reasons[plan.reasons[row]] += 1
+            if not plan.decode:
+                continue
+            context = plan.total_length - seq.pad
+            if kind == DENSE:
+                seq.stats.dense_steps += 1
+            elif kind == SLOW:
+                seq.stats.slow_steps += 1
+            elif row in lagged:
+                dense_layers = lagged[row]
+                sparse = seq.memory.read(plan.total_length) / context
+                seq.stats.record_lagged_step((dense_layers + (layers - dense_layers) * sparse)
+                                             / layers)
+            else:
+                seq.stats.record_fast_step(seq.memory.read(plan.total_length) / context)
+        self.compact_width = plan.compact_width
+
+    def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:
+        """Per row, what the step did: ``plan.kinds`` with lagging fast rows as ``lagged``."""
+        return tuple(LAGGED if kind == FAST and row in lagged else kind
+                     for row, kind in enumerate(plan.kinds))
+
+    # --- continuous batching ----------------------------------------------------------------
+    def shift(self, amount: int) -> None:
+        """Every sequence gains ``amount`` more positions of left padding."""
+        for seq in self.sequences:
+            seq.pad += amount
+            if seq.memory is not None:
+                m = seq.memory
+                seq.memory = Memory(m.pad + amount, m.sink, m.sink_end + amount,
+                                    m.recent_start + amount, m.k)
+
+    def absorb(self, other: Planner) -> None:
+        """Append ``other``'s sequences (already shifted to this batch's alignment)."""
+        self.sequences = self.sequences + other.sequences
+        self.compact_width = max(self.compact_width, other.compact_width)
+
+    def keep(self, rows: Sequence[int]) -> int:
+        """Keep the sequences ``rows`` (in that order); return the padding they all share,
+        which the caller trims from the cache (and which is taken off their positions)."""
+        self.sequences = [self.sequences[r] for r in rows]
+        trim = min(seq.pad for seq in self.sequences)
+        self.shift(-trim)
+        return trim
+
+
+def _scorer_groups(scorers: list[Scorer], device: torch.device
+                   ) -> tuple[tuple[Scorer, Rows | None], ...]:
+    """Group rows by scorer object: one group (``None``: every row) in the usual case."""
+    first = scorers[0]
+    if all(s is first for s in scorers):
+        return ((first, None),)
+    groups: dict[int, tuple[Scorer, list[int]]] = {}
+    for local, scorer in enumerate(scorers):
+        groups.setdefault(id(scorer), (scorer, []))[1].append(local)
+    n = len(scorers)
+    return tuple((scorer, Rows(tuple(rows), n, device)) for scorer, rows in groups.values())
