@@ -89,3 +89,49 @@ def test_leaving_trims_shared_padding():
     assert batch.get_seq_length() == 12 and batch.padding(0) == 0
     del a
     _follow(model, batch, b.argmax(-1, keepdim=True), torch.tensor([[12]]), alone_short[1:5])
+
+
+@torch.inference_mode()
+def test_each_sequence_keeps_its_own_config_and_scorer_in_a_merged_batch():
+    """Sink, recent window, budget, evidence window, trigger period and scorer all differ
+    between the two sequences; merged, each still gets the logits it gets alone."""
+    from sfi.scorers.registry import make_scorer
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(11)
+    first, second = torch.randint(1, 256, (1, 60), generator=g), torch.randint(1, 256, (1, 41),
+                                                                                 generator=g)
+    config_a = SFIConfig(sink=2, recent=6, k_head=8, evidence_window=4, force_sparse=True,
+                         trigger="fixed", period=3)
+    config_b = SFIConfig(sink=5, recent=9, k_head=13, evidence_window=10, force_sparse=True,
+                         trigger="fixed", period=4)
+    scorer_b = make_scorer("snapkv", config_b)
+    steps = 13
+    alone_a = _alone(model, first, steps, config=config_a)
+    cache_b = SlowFastCache(model, config_b, scorer=scorer_b)
+    alone_b, tokens, positions = [], second, torch.arange(41)[None]
+    for _ in range(steps + 1):
+        logits = _step(model, cache_b, tokens, positions)
+        alone_b.append(logits[0])
+        tokens, positions = logits.argmax(-1, keepdim=True), positions[:, -1:] + 1
+
+    batch = SlowFastCache(model, config_a)
+    joiner = SlowFastCache(model, config_b, scorer=scorer_b)
+    a = _step(model, batch, first, torch.arange(60)[None])
+    b = _step(model, joiner, second, torch.arange(41)[None])
+    batch.merge(joiner)
+    assert batch.memory(0).sink == 2 and batch.memory(1).sink == 5
+    tokens = torch.cat([a.argmax(-1, keepdim=True), b.argmax(-1, keepdim=True)])
+    kinds = []
+    for step in range(1, steps + 1):
+        logits = _step(model, batch, tokens, torch.tensor([[60 + step - 1], [41 + step - 1]]))
+        torch.testing.assert_close(logits[0], alone_a[step], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[1], alone_b[step], atol=2e-5, rtol=1e-5)
+        kinds.append(batch.step_kinds())
+        tokens = logits.argmax(-1, keepdim=True)
+    assert ("slow", "fast") in kinds and ("fast", "slow") in kinds  # they refresh apart
+    assert ("slow", "slow") in kinds  # and together (step 12), packing two sink sizes at once
+    assert batch.memory(0).k == 8 and batch.memory(1).k == 13
+    for layer in range(len(batch.layers)):
+        chosen = batch.selected_positions(layer, 1)
+        assert chosen.shape[-1] == 13 and bool((chosen >= batch.padding(1) + 5).all())
