@@ -1,0 +1,145 @@
+"""Options the ``sfi`` commands share, and the one place command-line values become an
+``SFIConfig``.
+
+:func:`sfi_options` gives a command every SFI knob as an option (``--sink``, ``--recent``,
+``--k-head`` / ``--k-fraction``, ``--refresh-interval``, ``--min-refresh-gap``,
+``--evidence-window``, ``--trigger``, ``--force-sparse``, ``--set name=value``) and hands it one
+``config`` argument: the :class:`SFIConfig` they describe, or None when none was given.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Annotated, Any
+
+import typer
+
+from sfi.config import SFIConfig
+from sfi.errors import SFIError
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="default, qwen2.5-0.5b, a folder, "
+                                       "a .gguf file or a hub id")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="any other SFIConfig field, as "
+                                                  "name=value (repeatable)")]
+
+# name -> (annotation, default) of every SFI option, in the order --help lists them
+SFI_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "sink": (Annotated[int | None, typer.Option(help="S: sink tokens [4]")], None),
+    "recent": (Annotated[int | None, typer.Option(help="R: recent window [256]")], None),
+    "k_head": (Annotated[int | None, typer.Option(
+        "--k-head", help="K: selected tokens per KV head [2048]")], None),
+    "k_fraction": (Annotated[float | None, typer.Option(
+        "--k-fraction", help="K as a fraction of the context, in (0, 1] (instead of --k-head)")],
+        None),
+    "refresh_interval": (Annotated[int | None, typer.Option(
+        "--refresh-interval", help="reuse budget [96]")], None),
+    "min_refresh_gap": (Annotated[int | None, typer.Option("--min-refresh-gap", help="[16]")],
+                        None),
+    "evidence_window": (Annotated[int | None, typer.Option(
+        "--evidence-window", help="W after prefill [16]")], None),
+    "trigger": (Annotated[str | None, typer.Option(
+        help="sentence | fixed | random | bootstrap")], None),
+    "force_sparse": (Annotated[bool, typer.Option(
+        "--force-sparse", help="slow/fast steps even on short contexts")], False),
+    "set_": (SetOpt, None),
+}
+
+
+def build_config(*, sink: int | None = None, recent: int | None = None, k_head: int | None = None,
+                 k_fraction: float | None = None, refresh_interval: int | None = None,
+                 min_refresh_gap: int | None = None, evidence_window: int | None = None,
+                 trigger: str | None = None, force_sparse: bool = False,
+                 extra: list[str] | None = None) -> SFIConfig:
+    """An SFIConfig from command-line values; unset ones keep their defaults."""
+    values: dict[str, Any] = {k: v for k, v in {
+        "sink": sink, "recent": recent, "k_head": k_head, "k_fraction": k_fraction,
+        "refresh_interval": refresh_interval, "min_refresh_gap": min_refresh_gap,
+        "evidence_window": evidence_window, "trigger": trigger}.items() if v is not None}
+    if force_sparse:
+        values["force_sparse"] = True
+    types = {f.name: f.type for f in fields(SFIConfig)}
+    for item in extra or []:
+        name, sep, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in types:
+            raise SFIError(f"--set expects name=value with a field of SFIConfig, got {item!r}; "
+                           f"fields: {', '.join(types)}")
+        values[name] = _parse_value(name, raw.strip(), str(types[name]))
+    if "k_fraction" in values and "k_head" not in values:
+        values["k_head"] = None
+    return SFIConfig(**values)
+
+
+def _parse_value(name: str, raw: str, type_name: str) -> Any:
+    try:
+        if "bool" in type_name:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if "float" in type_name:
+            return float(raw)
+        if "int" in type_name:
+            return None if raw.lower() == "none" else int(raw)
+    except ValueError:
+        raise SFIError(f"--set {name}: {raw!r} is not a valid value ({type_name})") from None
+    return raw
+
+
+def sfi_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the SFI options to a typer command, which then takes ``config: SFIConfig | None``
+    (None when no SFI option was given)."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "config"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                               default=default)
+             for name, (annotation, default) in SFI_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        values = {name: kwargs.pop(name) for name in SFI_OPTIONS}
+        given = any(value not in (None, False) for value in values.values())
+        extra = values.pop("set_")
+        config = build_config(**values, extra=extra) if given else None
+        return command(config=config, **kwargs)
+
+    del wrapper.__wrapped__  # typer must read the signature below, not the command's
+    wrapper.__signature__ = signature.replace(parameters=own + added)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
+    return wrapper
+
+
+def int_list(name: str, text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]``, positive integers only."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SFIError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise SFIError(f"{name} must list positive integers, got {text!r}")
+    return values
+
+
+def float_list(name: str, text: str) -> list[float]:
+    """``"0.1,0.5"`` -> ``[0.1, 0.5]``."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SFIError(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise SFIError(f"{name} must list at least one number")
+    return values
+
+
+def name_list(name: str, text: str, choices: tuple[str, ...] | None = None) -> list[str]:
+    """``"a,b"`` -> ``["a", "b"]``, each among ``choices`` when given."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise SFIError(f"{name} must list at least one name")
+    unknown = [v for v in values if choices is not None and v not in choices]
+    if unknown:
+        raise SFIError(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(choices)}")
+    return values
