@@ -7,7 +7,7 @@ and hands the call to the cache layer that serves this ``layer_idx``: a layer th
 Everywhere else (another cache, no cache, a layer that keeps its own sliding window) it is
 attention as the model computes it: SDPA, or the model's eager function for soft-capped logits.
 
-It imports neither cache: the layers bring their own behaviour.
+It imports neither cache: the layers bring their own behaviour (:class:`AttendingLayer`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,49 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-from sfi.context import current_step
+from sfi.context import StepContext, current_step
 from sfi.kernels import dense_fallback
 
 ATTENTION_NAME = "sfi"
+
+
+class AttendingLayer:
+    """The layer protocol: a cache layer that carries out the step in progress.
+
+    The attention function hands such a layer every call for its ``layer_idx``. A forward of
+    several queries (a prefill) attends densely, as the model would, and then lets the layer
+    act on it (:meth:`after_prefill`: a first selection, a compression); a one-token step is the
+    layer's own (:meth:`decode`). Shapes: ``query [B, Hq, Q, D]`` (RoPE applied), ``key``,
+    ``value`` ``[B, H, T, D]`` after the cache update.
+    """
+
+    def attend(self, step: StepContext, module: torch.nn.Module, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
+               ) -> tuple[torch.Tensor, None]:
+        """``([B, Q, Hq, D], None)``, as transformers expects of an attention function."""
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        softcap = kwargs.get("softcap")
+        if query.shape[2] > 1:
+            out, _ = dense_fallback(module, query, key, value, attention_mask, dropout=dropout,
+                                    scaling=scaling, **kwargs)
+            self.after_prefill(step, query, scale, softcap)
+            return out, None
+        b, hq, _, d = query.shape
+        h = key.shape[1]
+        out = self.decode(step, query.reshape(b, h, hq // h, d), scale, softcap)
+        return out.reshape(b, 1, hq, -1), None
+
+    def after_prefill(self, step: StepContext, query: torch.Tensor, scale: float,
+                      softcap: float | None) -> None:
+        """Act on a prefill's queries (the whole cache is written already)."""
+        raise NotImplementedError
+
+    def decode(self, step: StepContext, q: torch.Tensor, scale: float,
+               softcap: float | None) -> torch.Tensor:
+        """One decode step of the queries grouped by KV head: ``q [B, H, G, D]`` ->
+        ``[B, H, G, D]``."""
+        raise NotImplementedError
 
 
 def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from sfi.attention import AttendingLayer
 from sfi.context import StepContext, current_step
 from sfi.errors import SFIError
-from sfi.kernels import dense_attention, dense_fallback, fast_attention, window_logits
+from sfi.kernels import dense_attention, fast_attention, window_logits
 from sfi.overlap import StagedCompact
 from sfi.planner import SlowRows, StepPlan
 from sfi.rows import Rows
@@ -35,7 +36,7 @@ from sfi.scorers import Evidence
 from sfi.selector import top_k_positions
 
 
-class SlowFastLayer(CacheLayerMixin):
+class SlowFastLayer(AttendingLayer, CacheLayerMixin):
     """Full KV of one attention layer, with key norms and the compact buffer.
 
     Storage ``[B, H, capacity, D]``; ``keys``/``values`` are views of the filled part
@@ -262,31 +263,20 @@ class SlowFastLayer(CacheLayerMixin):
                 self.compact_positions -= trim
             self.length -= trim
 
-    # --- attention -------------------------------------------------------------------------------
-    def attend(self, step: StepContext, module: torch.nn.Module, query: torch.Tensor,
-               key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-               scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
-               ) -> tuple[torch.Tensor, None]:
-        """This layer's attention for ``query [B, Hq, Q, D]`` -> ``([B, Q, Hq, D], None)``."""
+    # --- attention (the AttendingLayer protocol) ---------------------------------------------
+    def after_prefill(self, step: StepContext, query: torch.Tensor, scale: float,
+                      softcap: float | None) -> None:
+        """First selection of the rows the plan refreshes, from the last W queries."""
         plan: StepPlan = step.plan
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        softcap = kwargs.get("softcap")
-        if query.shape[2] > 1:
-            out, _ = dense_fallback(module, query, key, value, attention_mask, dropout=dropout,
-                                    scaling=scaling, **kwargs)
-            if plan.slow is not None:
-                self._select_after_prefill(step, plan.slow, query, scale, softcap)
-            return out, None
-        return self._decode(step, plan, query, scale, softcap), None
+        if plan.slow is not None:
+            self._select_after_prefill(step, plan.slow, query, scale, softcap)
 
-    def _decode(self, step: StepContext, plan: StepPlan, query: torch.Tensor, scale: float,
-                softcap: float | None) -> torch.Tensor:
-        """One decode step for the whole batch: ``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``."""
-        b, hq, _, d = query.shape
+    def decode(self, step: StepContext, q: torch.Tensor, scale: float,
+               softcap: float | None) -> torch.Tensor:
+        """One decode step for the whole batch: ``q [B, H, G, D]`` -> ``[B, H, G, D]``."""
+        plan: StepPlan = step.plan
         keys, values = self.keys, self.values
-        h = keys.shape[1]
-        q = query.reshape(b, h, hq // h, d)
-        out = q.new_empty(b, h, hq // h, values.shape[-1])
+        out = q.new_empty(*q.shape[:3], values.shape[-1])
         rebuilding = self.settle()  # rows whose compact rebuild is still running read densely
 
         def dense(rows: Rows, refresh: SlowRows | None = None) -> None:
@@ -317,7 +307,7 @@ class SlowFastLayer(CacheLayerMixin):
                 if lagging:
                     dense(lagging)
                     step.record_lag(lagging.indices)
-        return out.reshape(b, 1, hq, -1)
+        return out
 
     # --- the slow step's refresh -----------------------------------------------------------
     def _select_after_prefill(self, step: StepContext, slow: SlowRows, query: torch.Tensor,

@@ -17,15 +17,10 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from sfi.attention import AttendingLayer
 from sfi.context import StepContext
 from sfi.errors import SFIError
-from sfi.kernels import (
-    additive_bias,
-    causal_mask,
-    dense_attention,
-    dense_fallback,
-    window_logits,
-)
+from sfi.kernels import additive_bias, causal_mask, dense_attention, window_logits
 from sfi.scorers import Evidence
 
 Observer = Callable[["EvictionLayer", torch.Tensor], None]
@@ -72,7 +67,7 @@ def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, scale: float,
     return total
 
 
-class EvictionLayer(DynamicLayer):
+class EvictionLayer(AttendingLayer, DynamicLayer):
     """One layer's full KV, its keep mask and (when tracked) its attention history."""
 
     def __init__(self, layer_idx: int, num_layers: int, track_attention: bool = False):
@@ -107,24 +102,15 @@ class EvictionLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise SFIError("an EvictionCache cannot be cropped")
 
-    def attend(self, step: StepContext, module: torch.nn.Module, query: torch.Tensor,
-               key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-               scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
-               ) -> tuple[torch.Tensor, None]:
-        """Attention of ``query [B, Hq, Q, D]`` -> ``([B, Q, Hq, D], None)``."""
+    def after_prefill(self, step: StepContext, query: torch.Tensor, scale: float,
+                      softcap: float | None) -> None:
+        """Accumulate the prompt's attention (H2O) and let the policy compress."""
         plan: EvictionStep = step.plan
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        softcap = kwargs.get("softcap")
-        if query.shape[2] > 1:
-            out, _ = dense_fallback(module, query, key, value, attention_mask, dropout=dropout,
-                                    scaling=scaling, **kwargs)
-            if self.track_attention:
-                self.history += accumulated_attention(query, self.keys, scale, softcap)
-            if plan.policy is not None:
-                evidence = self._evidence(query, plan.policy.window, scale, softcap)
-                plan.policy.after_prefill(self, evidence)
-            return out, None
-        return self._decode(plan, query, scale, softcap), None
+        if self.track_attention:
+            self.history += accumulated_attention(query, self.keys, scale, softcap)
+        if plan.policy is not None:
+            plan.policy.after_prefill(self, self._evidence(query, plan.policy.window, scale,
+                                                           softcap))
 
     def _evidence(self, query: torch.Tensor, window: int, scale: float,
                   softcap: float | None) -> Evidence | None:
@@ -144,12 +130,12 @@ class EvictionLayer(DynamicLayer):
                         hi=torch.full((b,), t - w), layer_idx=self.layer_idx, queries=w,
                         query=q.reshape(b, h, -1, d), keys=keys, history=self.history)
 
-    def _decode(self, plan: EvictionStep, query: torch.Tensor, scale: float,
-                softcap: float | None) -> torch.Tensor:
-        b, hq, _, d = query.shape
+    def decode(self, step: StepContext, q: torch.Tensor, scale: float,
+               softcap: float | None) -> torch.Tensor:
+        """Attend to the kept entries (narrowed for this query by the policy), then evict:
+        ``q [B, H, G, D]`` -> ``[B, H, G, D]``."""
+        plan: EvictionStep = step.plan
         keys, values = self.keys, self.values
-        h = keys.shape[1]
-        q = query.reshape(b, h, hq // h, d)
         allowed = self.keep
         narrowed = plan.policy.step_mask(self, q) if plan.policy is not None else None
         if narrowed is not None:
@@ -164,4 +150,4 @@ class EvictionLayer(DynamicLayer):
             plan.observer(self, attention)
         if plan.policy is not None:
             plan.policy.after_step(self, attention)
-        return out.reshape(b, 1, hq, -1)
+        return out
