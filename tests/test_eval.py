@@ -155,3 +155,25 @@ def test_eval_bad_input_exits_with_a_message(args, message):
     result = run_cli("eval", *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_stored_prefill_is_read_back_and_continues_the_same(tiny_llama_with_tokenizer,
+                                                               tmp_path):
+    model, tok = tiny_llama_with_tokenizer
+    sample = make_sample("niah", tok, 300, seed=1)
+    ids = torch.tensor([sample.prompt_ids])
+    first = SharedPrefill(model, ids[:, :-32], history=True, store=tmp_path)
+    stored = list(tmp_path.iterdir())
+    assert len(stored) == 1 and stored[0].suffix == ".pt"
+    again = SharedPrefill(model, ids[:, :-32], history=True, store=tmp_path)
+    for (k1, v1), (k2, v2) in zip(first.kv, again.kv):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert all(torch.equal(a, b) for a, b in zip(first.history, again.history))
+    for name in ("sfi", "h2o"):
+        method = parse_method(name)
+        runs = [greedy_continue(model, build_cache(model, tok, method, budget=0.3,
+                                                   context=sample.context), shared, ids, 8,
+                                eos=set()) for shared in (first, again)]
+        assert runs[0] == runs[1]
+    other = SharedPrefill(model, ids[:, :-31], store=tmp_path)  # other ids: another entry
+    assert other.length == ids.shape[1] - 31 and len(list(tmp_path.iterdir())) == 2

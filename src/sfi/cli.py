@@ -26,6 +26,7 @@ from sfi.cli_options import (
     float_list,
     int_list,
     name_list,
+    parse_overrides,
     sfi_options,
 )
 from sfi.config import SFIConfig
@@ -213,9 +214,10 @@ def eval_cmd(
     tasks: Annotated[str, typer.Option(help=f"comma-separated: {ALL_TASKS}")] = ALL_TASKS,
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] =
         "4096",
-    methods: Annotated[str, typer.Option(help="full, sfi, sfi+<scorer>, streamingllm, snapkv, "
-                                         "pyramidkv, h2o, tova, quest; name@budget pins a "
-                                         "method's budget")] = DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option(help="full, sfi, sfi:<preset> (sfi:paper), "
+                                         "sfi+<scorer>, streamingllm, snapkv, pyramidkv, h2o, "
+                                         "tova, quest; name@budget pins a method's budget")] =
+        DEFAULT_METHODS,
     budget: Annotated[str, typer.Option(help="tokens kept per KV head: a fraction of the "
                                         "context (<= 1) or tokens (> 1); comma-separated to "
                                         "sweep")] = "0.15",
@@ -229,10 +231,14 @@ def eval_cmd(
     as_json: JsonOpt = False,
     out: Annotated[Path | None, typer.Option(help="write results.json, report.md and plots "
                                              "here")] = None,
+    prefill_cache: Annotated[Path | None, typer.Option(
+        help="keep each sample's prefill in this folder and reuse it in later runs "
+             "(about 200 MB per 8K sample of Qwen2.5-0.5B)")] = None,
 ) -> None:
     """Long-context quality of SFI against full attention and KV-eviction baselines.
 
-    ``--set`` changes SFI's knobs other than the budget (which sets sink + K + recent)."""
+    ``--set`` changes SFI's knobs other than the budget (which sets K and the recent window),
+    on top of the defaults or of a method's preset."""
     from sfi.eval.report import summarize, table_rows, write_report
     from sfi.eval.runner import parse_runs, run_eval
     from sfi.eval.tasks import TASKS
@@ -244,7 +250,8 @@ def eval_cmd(
     method_list = name_list("--methods", methods)
     budgets = float_list("--budget", budget)
     parse_runs(method_list, budgets)  # unknown methods fail before the model loads
-    base = build_config(extra=set_)
+    overrides = parse_overrides(set_)
+    build_config(extra=set_)  # a clear error for a value the config refuses
     if samples < 1 or fidelity_tokens < 1:
         raise SFIError("--samples and --fidelity-tokens must be >= 1")
     loaded_model, tokenizer = _load(model, as_json)
@@ -258,8 +265,8 @@ def eval_cmd(
             progress.advance(bar)
 
         rows = run_eval(loaded_model, tokenizer, task_list, context_list, method_list, budgets,
-                        samples, seed=seed, fidelity_tokens=fidelity_tokens, base=base,
-                        tag=tag, on_sample=advance)
+                        samples, seed=seed, fidelity_tokens=fidelity_tokens, tag=tag,
+                        on_sample=advance, store=prefill_cache, overrides=overrides)
     result: dict[str, Any] = {
         "model": model, "tasks": task_list, "contexts": context_list, "methods": method_list,
         "budgets": budgets, "samples": samples, "seed": seed, "sfi_overrides": set_ or [],

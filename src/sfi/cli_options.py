@@ -2,7 +2,7 @@
 ``SFIConfig``.
 
 :func:`sfi_options` gives a command every SFI knob as an option (``--sink``, ``--recent``,
-``--k-head`` / ``--k-fraction``, ``--refresh-interval``, ``--min-refresh-gap``,
+``--preset``, ``--k-head`` / ``--k-fraction``, ``--refresh-interval``, ``--min-refresh-gap``,
 ``--evidence-window``, ``--trigger``, ``--force-sparse``, ``--set name=value``) and hands it one
 ``config`` argument: the :class:`SFIConfig` they describe, or None when none was given.
 """
@@ -28,6 +28,8 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="any other SFICo
 
 # name -> (annotation, default) of every SFI option, in the order --help lists them
 SFI_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "preset": (Annotated[str | None, typer.Option(
+        help="default (what measures best, docs/eval) | paper (METHOD.md exactly)")], None),
     "sink": (Annotated[int | None, typer.Option(help="S: sink tokens [4]")], None),
     "recent": (Annotated[int | None, typer.Option(help="R: recent window [256]")], None),
     "k_head": (Annotated[int | None, typer.Option(
@@ -53,15 +55,23 @@ def build_config(*, sink: int | None = None, recent: int | None = None, k_head: 
                  k_fraction: float | None = None, refresh_interval: int | None = None,
                  min_refresh_gap: int | None = None, evidence_window: int | None = None,
                  trigger: str | None = None, force_sparse: bool = False,
-                 extra: list[str] | None = None) -> SFIConfig:
-    """An SFIConfig from command-line values; unset ones keep their defaults."""
+                 extra: list[str] | None = None, preset: str | None = None) -> SFIConfig:
+    """An SFIConfig from command-line values: the preset (``default`` unless named) with the
+    values that were given."""
     values: dict[str, Any] = {k: v for k, v in {
         "sink": sink, "recent": recent, "k_head": k_head, "k_fraction": k_fraction,
         "refresh_interval": refresh_interval, "min_refresh_gap": min_refresh_gap,
         "evidence_window": evidence_window, "trigger": trigger}.items() if v is not None}
     if force_sparse:
         values["force_sparse"] = True
+    values.update(parse_overrides(extra))
+    return SFIConfig.from_preset(preset or "default", **values)
+
+
+def parse_overrides(extra: list[str] | None) -> dict[str, Any]:
+    """``["name=value", ...]`` (``--set``) -> SFIConfig fields with typed values."""
     types = {f.name: f.type for f in fields(SFIConfig)}
+    values: dict[str, Any] = {}
     for item in extra or []:
         name, sep, raw = item.partition("=")
         name = name.strip().replace("-", "_")
@@ -69,9 +79,7 @@ def build_config(*, sink: int | None = None, recent: int | None = None, k_head: 
             raise SFIError(f"--set expects name=value with a field of SFIConfig, got {item!r}; "
                            f"fields: {', '.join(types)}")
         values[name] = _parse_value(name, raw.strip(), str(types[name]))
-    if "k_fraction" in values and "k_head" not in values:
-        values["k_head"] = None
-    return SFIConfig(**values)
+    return values
 
 
 def _parse_value(name: str, raw: str, type_name: str) -> Any:

@@ -147,3 +147,37 @@ class SFIConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> SFIConfig:
+        """The configuration named ``name`` (see :data:`PRESETS`), with ``overrides``.
+
+        Giving ``k_fraction`` alone switches the budget to a fraction (``k_head`` becomes
+        None)."""
+        if name not in PRESETS:
+            raise SFIConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        values = {**PRESETS[name], **overrides}
+        if "k_fraction" in overrides and "k_head" not in overrides:
+            values["k_head"] = None
+        return cls(**values)
+
+    @classmethod
+    def paper(cls, **overrides: Any) -> SFIConfig:
+        """METHOD.md exactly (the paper's Selector and defaults), with ``overrides``."""
+        return cls.from_preset("paper", **overrides)
+
+
+# Every field METHOD.md fixes, with the value it gives: the "paper" preset reproduces the paper
+# whatever the library's defaults become.
+PAPER_PRESET: dict[str, Any] = dict(
+    sink=4, recent=256, k_head=2048, k_fraction=None, evidence_window=16, trigger="sentence",
+    refresh_interval=96, min_refresh_gap=16, alpha=0.5, gamma=0.5, w_norm=1.0, w_pos=0.7,
+    pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
+    nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
+    exclusivity_min_heads=3,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},  # the library's defaults: what measures best (docs/eval)
+    "paper": PAPER_PRESET,
+}

@@ -18,7 +18,7 @@ import torch
 
 from sfi.cache import SlowFastCache
 from sfi.caches import DecodeCache, FullCache, FullStaticCache
-from sfi.config import SFIConfig
+from sfi.config import PRESETS, SFIConfig
 from sfi.errors import SFIError
 from sfi.eviction import POLICIES, EvictionCache, make_policy
 from sfi.scorers import Scorer
@@ -51,11 +51,21 @@ def sfi_config_for(capacity: int, base: SFIConfig | None = None) -> SFIConfig:
 @dataclass(frozen=True)
 class Method:
     """One method of a comparison: ``kind`` is "full", "full-static", "sfi" or "eviction";
-    ``scorer`` names SFI's slow-step scorer or the eviction rule."""
+    ``scorer`` names SFI's slow-step scorer or the eviction rule; ``preset`` names SFI's
+    configuration (``sfi:paper``), None for the caller's."""
 
     name: str
     kind: str
     scorer: str | None = None
+    preset: str | None = None
+
+    def sfi_config(self, base: SFIConfig | None = None,
+                   overrides: dict[str, Any] | None = None) -> SFIConfig:
+        """SFI's configuration for this method: its preset with ``overrides``, else ``base``
+        (or the defaults) with ``overrides``."""
+        if self.preset is not None:
+            return SFIConfig.from_preset(self.preset, **(overrides or {}))
+        return replace(base or SFIConfig(), **(overrides or {}))
 
     @property
     def needs_history(self) -> bool:
@@ -64,30 +74,38 @@ class Method:
 
 
 def parse_method(name: str) -> Method:
-    """``full``, ``full-static``, ``sfi``, ``sfi+<scorer>`` or an eviction baseline's name."""
+    """``full``, ``full-static``, ``sfi``, ``sfi:<preset>`` (e.g. ``sfi:paper``),
+    ``sfi+<scorer>`` or an eviction baseline's name."""
     if name in ("full", "full-static"):
         return Method(name, name)
     if name == "sfi":
         return Method(name, "sfi", "sfi")
+    if name.startswith("sfi:"):
+        preset = name[4:]
+        if preset not in PRESETS:
+            raise SFIError(f"unknown preset in {name!r}; choose from {', '.join(PRESETS)}")
+        return Method(name, "sfi", "sfi", preset)
     if name.startswith("sfi+"):
         scorer = name[4:]
         make_scorer(scorer, SFIConfig())  # a clear error for an unknown or unfit scorer
         return Method(name, "sfi", scorer)
     if name in POLICIES:
         return Method(name, "eviction", name)
-    raise SFIError(f"unknown method {name!r}; choose from full, sfi, sfi+<scorer>, "
-                   f"{', '.join(POLICIES)}")
+    raise SFIError(f"unknown method {name!r}; choose from full, sfi, sfi:<preset>, "
+                   f"sfi+<scorer>, {', '.join(POLICIES)}")
 
 
 def build_cache(model: torch.nn.Module, tokenizer: Any, method: str | Method, *,
                 config: SFIConfig | None = None, budget: float | None = None,
                 context: int | None = None, scorer: Scorer | None = None,
-                capacity: int | None = None, dense_only: bool = False) -> DecodeCache:
+                capacity: int | None = None, dense_only: bool = False,
+                overrides: dict[str, Any] | None = None) -> DecodeCache:
     """A fresh cache for ``method``.
 
     Args:
         method: a name (see :func:`parse_method`) or a parsed :class:`Method`.
-        config: SFI's knobs; with a ``budget`` only those other than S + K + R are taken.
+        config: SFI's knobs (a ``sfi:<preset>`` method takes its preset's instead); with a
+            ``budget`` only those other than K and R are taken.
         budget: tokens per KV head C, as a fraction of ``context`` (<= 1) or tokens; required
             by the eviction baselines; for SFI it sets K and R (:func:`sfi_config_for`).
         context: the prompt's length, for a fractional budget.
@@ -95,6 +113,7 @@ def build_cache(model: torch.nn.Module, tokenizer: Any, method: str | Method, *,
         capacity: a hint of the tokens the cache will hold (prompt + new tokens); required by
             ``full-static``.
         dense_only: SFI sequences decoded densely (full attention that can share a batch).
+        overrides: SFIConfig fields set on top of ``config`` or the preset.
     """
     method = parse_method(method) if isinstance(method, str) else method
     if method.kind == "full":
@@ -108,7 +127,9 @@ def build_cache(model: torch.nn.Module, tokenizer: Any, method: str | Method, *,
         if limit is None:
             raise SFIError(f"{method.name} needs a budget (tokens kept per KV head)")
         return EvictionCache(model, make_policy(method.scorer, limit))
-    sfi_config = sfi_config_for(limit, config) if limit is not None else config or SFIConfig()
+    sfi_config = method.sfi_config(config, overrides)
+    if limit is not None:
+        sfi_config = sfi_config_for(limit, sfi_config)
     if scorer is None and method.scorer != "sfi":
         scorer = make_scorer(method.scorer, sfi_config)
     return SlowFastCache(model, sfi_config, tokenizer=tokenizer, scorer=scorer,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,24 +113,27 @@ def _depth(task: str, sample: int, samples: int) -> float | None:
 
 def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
                     runs: list[tuple[Method, float]], window: int = WINDOW,
-                    base: SFIConfig | None = None) -> list[EvalRow]:
+                    base: SFIConfig | None = None, store: Path | None = None,
+                    overrides: dict[str, Any] | None = None) -> list[EvalRow]:
     """Every (method, budget) of ``runs`` on one sample, sharing its prefill; ``base`` holds
-    the SFI knobs other than the budget."""
+    the SFI knobs other than the budget and ``overrides`` fields set on top of it (or of a
+    method's preset); ``store`` keeps prefills on disk across runs."""
     device = next(model.parameters()).device
     ids = torch.tensor([sample.prompt_ids], device=device)
     depth = sample.depths[0] if sample.task == "niah" else None
     if sample.task == "fidelity":
-        return _fidelity_rows(model, tokenizer, sample, index, runs, ids, window, base)
+        return _fidelity_rows(model, tokenizer, sample, index, runs, ids, window, base, store,
+                              overrides)
     if sample.context <= window:
         raise SFIError(f"a prompt of {sample.context} tokens is too short for a {window}-token "
                        "window")
     history = any(m.needs_history for m, _ in runs)
-    shared = SharedPrefill(model, ids[:, :-window], history=history)
+    shared = SharedPrefill(model, ids[:, :-window], history=history, store=store)
     eos = eos_token_ids(model, tokenizer)
     rows = []
     for method, budget in runs:
         cache = build_cache(model, tokenizer, method, config=base, budget=budget,
-                            context=sample.context)
+                            context=sample.context, overrides=overrides)
         tokens = greedy_continue(model, cache, shared, ids, sample.max_new_tokens, eos)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         read, fast_read = cache.read_fraction()
@@ -146,15 +150,17 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
 
 def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
                    runs: list[tuple[Method, float]], ids: torch.Tensor,
-                   window: int, base: SFIConfig | None) -> list[EvalRow]:
+                   window: int, base: SFIConfig | None, store: Path | None,
+                   overrides: dict[str, Any] | None) -> list[EvalRow]:
     context = sample.context
     compared = [(m, b) for m, b in runs if m.kind != "full"]
     names = [f"{m.name}@{b:g}" for m, b in compared]
     factories = {name: (lambda m=m, b=b: build_cache(model, tokenizer, m, config=base,
-                                                      budget=b, context=context))
+                                                      budget=b, context=context,
+                                                      overrides=overrides))
                  for name, (m, b) in zip(names, compared)}
     history = any(m.needs_history for m, _ in compared)
-    shared = SharedPrefill(model, ids[:, : context - window], history=history)
+    shared = SharedPrefill(model, ids[:, : context - window], history=history, store=store)
     results = teacher_forced_fidelity(model, ids, context, factories, tokenizer=tokenizer,
                                       window=window, prefix=shared)
     rows = []
@@ -181,13 +187,16 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
              contexts: Sequence[int], methods: Sequence[str], budgets: Sequence[float],
              samples: int, seed: int = 0, window: int = WINDOW,
              fidelity_tokens: int = FIDELITY_TOKENS, base: SFIConfig | None = None,
-             tag: str = "", on_sample: Callable[[str, int, int], None] | None = None
+             tag: str = "", on_sample: Callable[[str, int, int], None] | None = None,
+             store: Path | None = None, overrides: dict[str, Any] | None = None
              ) -> list[EvalRow]:
     """Evaluate ``methods`` (names, or ``name@budget``) at each of ``budgets`` on ``samples``
     seeded samples of each task and context length; ``base`` sets SFI's knobs other than the
+    budget and ``overrides`` fields on top of it or of a method's preset (``sfi:paper``);
     budget. A ``tag`` is appended to every method name of the rows (``sfi:tag``), so that runs
     of variants can be merged into one report. ``on_sample(task, context, index)`` reports
-    progress."""
+    progress; ``store`` keeps every sample's prefill on disk, so that a later run of other
+    methods on the same samples skips them."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise SFIError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
@@ -206,7 +215,7 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
                                      depth=_depth(task, index, samples),
                                      continuation=fidelity_tokens)
                 rows.extend(evaluate_sample(model, tokenizer, sample, seed + index, runs, window,
-                                            base))
+                                            base, store, overrides))
                 gc.collect()  # caches reference their layers and back: free their KV now
     if tag:
         for row in rows:
