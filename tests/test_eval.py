@@ -59,7 +59,8 @@ def test_eval_rows_summary_report_and_plots(tiny_llama_with_tokenizer, tmp_path)
     assert {p.rsplit("/", 1)[1] for p in plots} == {"score_vs_budget.png", "niah_heatmap.png",
                                                     "fidelity_kl.png"}
     report = markdown(result, plots)
-    assert "| context | method | retention | niah | avg | top1 % | KL | ppl |" in report
+    assert ("| context | method | retention | niah | avg | 95% CI | vs full [95% CI] | top1 % | KL "
+            "| ppl |") in report
 
 
 @pytest.mark.parametrize("name", ["full", "sfi", "sfi+snapkv", "snapkv", "h2o", "tova", "quest"])
@@ -177,3 +178,24 @@ def test_a_stored_prefill_is_read_back_and_continues_the_same(tiny_llama_with_to
         assert runs[0] == runs[1]
     other = SharedPrefill(model, ids[:, :-31], store=tmp_path)  # other ids: another entry
     assert other.length == ids.shape[1] - 31 and len(list(tmp_path.iterdir())) == 2
+
+
+def test_bootstrap_intervals_cover_the_mean_and_pair_with_full():
+    from sfi.eval.report import bootstrap_interval, summarize
+
+    rows = []
+    for sample in range(6):
+        for task in ("passkey", "niah"):
+            rows.append({"task": task, "context": 100, "method": "full", "budget": 1.0,
+                         "retention": 1.0, "score": 100.0, "sample": sample})
+            rows.append({"task": task, "context": 100, "method": "sfi", "budget": 0.1,
+                         "retention": 0.1, "score": 100.0 if sample % 3 else 0.0,
+                         "sample": sample})
+    entries = {e["label"]: e for e in summarize(rows)}
+    sfi_entry = entries["sfi@0.1"]
+    low, high = sfi_entry["average_ci"]
+    assert low < sfi_entry["average"] < high and 0 <= low and high <= 100
+    assert sfi_entry["delta_full"] == round(sfi_entry["average"] - 100.0, 2)
+    assert sfi_entry["delta_full_ci"][1] < 0  # it loses on the same samples, surely
+    assert entries["full"]["average_ci"] == [100.0, 100.0] and "delta_full" not in entries["full"]
+    assert bootstrap_interval({"passkey": {0: 50.0}}) is None  # one sample: no interval

@@ -26,10 +26,9 @@ from sfi.cli_options import (
     float_list,
     int_list,
     name_list,
-    parse_overrides,
     sfi_options,
 )
-from sfi.config import SFIConfig
+from sfi.config import SFIConfig, parse_overrides
 from sfi.errors import PromptError, SFIError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -234,6 +233,8 @@ def eval_cmd(
     prefill_cache: Annotated[Path | None, typer.Option(
         help="keep each sample's prefill in this folder and reuse it in later runs "
              "(about 200 MB per 8K sample of Qwen2.5-0.5B)")] = None,
+    resume: Annotated[bool, typer.Option(help="with --out: keep the rows of samples an "
+                                         "interrupted run already wrote, run the rest")] = False,
 ) -> None:
     """Long-context quality of SFI against full attention and KV-eviction baselines.
 
@@ -250,10 +251,23 @@ def eval_cmd(
     method_list = name_list("--methods", methods)
     budgets = float_list("--budget", budget)
     parse_runs(method_list, budgets)  # unknown methods fail before the model loads
-    overrides = parse_overrides(set_)
+    overrides = parse_overrides(set_ or [])
     build_config(extra=set_)  # a clear error for a value the config refuses
     if samples < 1 or fidelity_tokens < 1:
         raise SFIError("--samples and --fidelity-tokens must be >= 1")
+    if resume and out is None:
+        raise SFIError("--resume needs --out (the folder of the interrupted run)")
+    journal = None if out is None else out / "rows.jsonl"
+    earlier = _read_journal(journal) if resume else []
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        journal.write_text("".join(json.dumps(r) + "\n" for r in earlier), encoding="utf-8")
+
+    def keep(new_rows: list) -> None:
+        if journal is not None:
+            with journal.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r.to_dict()) + "\n" for r in new_rows)
+
     loaded_model, tokenizer = _load(model, as_json)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn())
@@ -266,12 +280,14 @@ def eval_cmd(
 
         rows = run_eval(loaded_model, tokenizer, task_list, context_list, method_list, budgets,
                         samples, seed=seed, fidelity_tokens=fidelity_tokens, tag=tag,
-                        on_sample=advance, store=prefill_cache, overrides=overrides)
+                        on_sample=advance, store=prefill_cache, overrides=overrides,
+                        on_rows=keep, done={(r["task"], r["context"], r["sample"])
+                                            for r in earlier})
     result: dict[str, Any] = {
         "model": model, "tasks": task_list, "contexts": context_list, "methods": method_list,
         "budgets": budgets, "samples": samples, "seed": seed, "sfi_overrides": set_ or [],
         "command": "sfi eval " + " ".join(sys.argv[2:]),
-        "rows": [r.to_dict() for r in rows]}
+        "rows": earlier + [r.to_dict() for r in rows]}
     result["summary"] = summarize(result["rows"])
     if out is not None:
         write_report(result, out)
@@ -282,6 +298,71 @@ def eval_cmd(
     _print_table(f"{model}: score (%) by task, {samples} sample(s) each", header, cells)
     if out is not None:
         err.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and the plots")
+
+
+def _read_journal(path: Path) -> list[dict[str, Any]]:
+    """The rows an interrupted ``sfi eval --out`` wrote, whole samples only."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by the interruption, and whatever follows
+    return rows
+
+
+@app.command("diagnose")
+def diagnose_cmd(
+    model: ModelOpt = "default",
+    task: Annotated[str, typer.Option(help="the task of the sample")] = "passkey",
+    context: Annotated[int, typer.Option(help="prompt length in tokens")] = 4096,
+    seed: Annotated[int, typer.Option(help="the sample's seed (as in sfi eval)")] = 0,
+    budget: Annotated[float, typer.Option(help="tokens per KV head: a fraction (<= 1) or "
+                                          "tokens")] = 0.15,
+    methods: Annotated[str, typer.Option(help="SFI methods, e.g. sfi,sfi:paper,"
+                                         "sfi[page_size=16,pin_fraction=0.5]")] =
+        "sfi,sfi:paper",
+    prefill_cache: Annotated[Path | None, typer.Option(help="reuse/keep the sample's prefill "
+                                                       "here (as sfi eval)")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Why SFI keeps or loses an answer: per Selector stage and (layer, KV head), whether the
+    selection holds the answer's tokens; per answer step, the attention mass the memory holds."""
+    from sfi.eval.diagnose import diagnose
+    from sfi.eval.tasks import TASKS, make_sample
+    from sfi.methods import budget_tokens, parse_method
+
+    if task not in TASKS or task == "fidelity":
+        raise SFIError(f"--task must be a retrieval task, one of {', '.join(TASKS[:-1])}")
+    method_list = name_list("--methods", methods)
+    for name in method_list:
+        if parse_method(name).kind != "sfi":
+            raise SFIError(f"diagnose takes SFI methods; {name!r} is not one")
+    budget_tokens(budget, context)
+    loaded_model, tokenizer = _load(model, as_json)
+    sample = make_sample(task, tokenizer, context, seed)
+    with err.status("diagnosing") if not as_json else contextlib.nullcontext():
+        result = diagnose(loaded_model, tokenizer, sample, seed, method_list, budget,
+                          store=prefill_cache)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    err.print(f"{task} seed {seed}, {sample.context} tokens; answers {result.answers} at "
+              f"{result.positions}; full attention says {result.full_output!r}")
+    order = ("evidence", "pooled", "fused", "nms", "exclusive", "score", "selected")
+    seen = {s for m in result.methods for s in m.token_coverage}
+    stages = [s for s in order if s in seen]
+    _print_table(f"answer tokens held by each stage's top-K (share of layer x KV head), "
+                 f"budget {budget:g}",
+                 ["method", "output", "score", *stages, "captured mean", "captured min"],
+                 ([m.method, repr(m.output), m.score,
+                   *(f"{m.token_coverage[s]:.0%}" if s in m.token_coverage else "-"
+                     for s in stages),
+                   f"{sum(m.captured) / max(1, len(m.captured)):.3f}",
+                   f"{min(m.captured_min, default=1.0):.3f}"] for m in result.methods),
+                 wide=True)
 
 
 @app.command("report")

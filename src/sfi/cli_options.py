@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Annotated, Any
 
 import typer
 
-from sfi.config import SFIConfig
+from sfi.config import SFIConfig, parse_overrides
 from sfi.errors import SFIError
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="default, qwen2.5-0.5b, a folder, "
@@ -64,37 +63,8 @@ def build_config(*, sink: int | None = None, recent: int | None = None, k_head: 
         "evidence_window": evidence_window, "trigger": trigger}.items() if v is not None}
     if force_sparse:
         values["force_sparse"] = True
-    values.update(parse_overrides(extra))
+    values.update(parse_overrides(extra or [], "--set"))
     return SFIConfig.from_preset(preset or "default", **values)
-
-
-def parse_overrides(extra: list[str] | None) -> dict[str, Any]:
-    """``["name=value", ...]`` (``--set``) -> SFIConfig fields with typed values."""
-    types = {f.name: f.type for f in fields(SFIConfig)}
-    values: dict[str, Any] = {}
-    for item in extra or []:
-        name, sep, raw = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not sep or name not in types:
-            raise SFIError(f"--set expects name=value with a field of SFIConfig, got {item!r}; "
-                           f"fields: {', '.join(types)}")
-        values[name] = _parse_value(name, raw.strip(), str(types[name]))
-    return values
-
-
-def _parse_value(name: str, raw: str, type_name: str) -> Any:
-    try:
-        if "bool" in type_name:
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1")
-        if "float" in type_name:
-            return float(raw)
-        if "int" in type_name:
-            return None if raw.lower() == "none" else int(raw)
-    except ValueError:
-        raise SFIError(f"--set {name}: {raw!r} is not a valid value ({type_name})") from None
-    return raw
 
 
 def sfi_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,8 +113,17 @@ def float_list(name: str, text: str) -> list[float]:
 
 
 def name_list(name: str, text: str, choices: tuple[str, ...] | None = None) -> list[str]:
-    """``"a,b"`` -> ``["a", "b"]``, each among ``choices`` when given."""
-    values = [v.strip() for v in text.split(",") if v.strip()]
+    """``"a,b"`` -> ``["a", "b"]``, each among ``choices`` when given; commas inside brackets
+    do not split (``sfi[pool_kernel=9,page_size=16],quest``)."""
+    values, depth, current = [], 0, ""
+    for char in text + ",":
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            values.append(current.strip())
+            current = ""
+        else:
+            current += char
+    values = [v for v in values if v]
     if not values:
         raise SFIError(f"{name} must list at least one name")
     unknown = [v for v in values if choices is not None and v not in choices]

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from sfi.errors import SFIConfigError
 
 TriggerPolicy = Literal["sentence", "fixed", "random", "bootstrap"]
 TRIGGER_POLICIES: tuple[str, ...] = ("sentence", "fixed", "random", "bootstrap")
+PoolMode = Literal["max", "avg"]
+POOL_MODES: tuple[str, ...] = ("max", "avg")
 
 # beta = -ln(0.6) / 0.9: the positional prior falls to 0.6 of its peak at u = 0.9 (with p = 1).
 DEFAULT_BETA = -math.log(0.6) / 0.9
@@ -49,6 +51,14 @@ class SFIConfig:
     last refresh). K is ``k_head`` tokens, or ``k_fraction`` of the context when that is given
     (then ``k_head`` must be left at None). ``overlap_selection`` runs the Selector and the
     compact rebuild on a CUDA side stream (METHOD.md section 4); it has no effect on CPU.
+
+    Beyond METHOD.md, for retrieval (each off at its neutral value, as in the paper preset):
+    ``pool_kernel``/``pool`` pool the Selector's evidence along positions (a needle's span ranks
+    with its peak); ``page_size`` selects whole pages of that many tokens (aligned at position
+    0) ranked by their best token; ``pin_fraction`` of K is fixed by a sequence's first
+    selection (the question's evidence) and never replaced by later refreshes; with
+    ``hysteresis`` h a position selected before stays while it still ranks within the top
+    (1 + h) K.
     """
 
     # --- memory of a fast step (METHOD.md section 2) ---
@@ -84,6 +94,13 @@ class SFIConfig:
     exclusivity_temperature: float = 2.0
     exclusivity_strength: float = 0.85
     exclusivity_min_heads: int = 3
+
+    # --- retrieval-safe selection (beyond METHOD.md; measured in docs/eval) ---
+    pool_kernel: int = 1
+    pool: PoolMode = "max"
+    page_size: int = 1
+    pin_fraction: float = 0.0
+    hysteresis: float = 0.0
 
     def __post_init__(self) -> None:
         _require_int("sink", self.sink, 0)
@@ -130,6 +147,15 @@ class SFIConfig:
         _require_float("exclusivity_temperature", self.exclusivity_temperature, 0.0,
                        low_open=True)
         _require_int("exclusivity_min_heads", self.exclusivity_min_heads, 1)
+        _require_int("pool_kernel", self.pool_kernel, 1)
+        if self.pool_kernel % 2 == 0:
+            raise SFIConfigError(f"pool_kernel must be odd (a window centred on each position), "
+                                 f"got {self.pool_kernel}")
+        if self.pool not in POOL_MODES:
+            raise SFIConfigError(f"pool must be one of {', '.join(POOL_MODES)}; got {self.pool!r}")
+        _require_int("page_size", self.page_size, 1)
+        _require_float("pin_fraction", self.pin_fraction, 0.0, 1.0)
+        _require_float("hysteresis", self.hysteresis, 0.0)
 
     def budget(self, context: int) -> int:
         """K, the selected tokens per KV head for a sequence of ``context`` real tokens."""
@@ -174,10 +200,40 @@ PAPER_PRESET: dict[str, Any] = dict(
     refresh_interval=96, min_refresh_gap=16, alpha=0.5, gamma=0.5, w_norm=1.0, w_pos=0.7,
     pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
     nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
-    exclusivity_min_heads=3,
+    exclusivity_min_heads=3, pool_kernel=1, page_size=1, pin_fraction=0.0, hysteresis=0.0,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},  # the library's defaults: what measures best (docs/eval)
     "paper": PAPER_PRESET,
 }
+
+
+def parse_overrides(items: list[str], where: str = "--set") -> dict[str, Any]:
+    """``["name=value", ...]`` -> SFIConfig fields with typed values (``where`` names the
+    option or method spec in error messages)."""
+    types = {f.name: str(f.type) for f in fields(SFIConfig)}
+    values: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in types:
+            raise SFIConfigError(f"{where} expects name=value with a field of SFIConfig, got "
+                                 f"{item!r}; fields: {', '.join(types)}")
+        values[name] = _parse_value(f"{where} {name}", raw.strip(), types[name])
+    return values
+
+
+def _parse_value(where: str, raw: str, type_name: str) -> Any:
+    try:
+        if "bool" in type_name:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if "float" in type_name:
+            return None if raw.lower() == "none" and "None" in type_name else float(raw)
+        if "int" in type_name:
+            return None if raw.lower() == "none" else int(raw)
+    except ValueError:
+        raise SFIConfigError(f"{where}: {raw!r} is not a valid value ({type_name})") from None
+    return raw

@@ -33,7 +33,7 @@ from sfi.overlap import StagedCompact
 from sfi.planner import SlowRows, StepPlan
 from sfi.rows import Rows
 from sfi.scorers import Evidence
-from sfi.selector import top_k_positions
+from sfi.selector import compact_slots, hysteresis_keep, selection_order
 
 
 class SlowFastLayer(AttendingLayer, CacheLayerMixin):
@@ -334,26 +334,67 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         evidence = Evidence(logits=logits, key_norms=key_norms, candidates=slow.candidates,
                             lo=slow.lo, hi=slow.hi, layer_idx=self.layer_idx, queries=queries,
                             query=query, keys=cached_keys)
+        previous = self._previous_selection(slow)
 
         def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            positions, _ = top_k_positions(score_rows(slow, evidence), slow.candidates, slow.k)
-            return self.pack(slow, positions)
+            return self.pack(slow, select_rows(slow, evidence, previous))
 
         inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sinks,
                   slow.sink_positions, self._keys, self._values]
-        if query is not None:
-            inputs += [query, cached_keys]
+        inputs += [t for t in (query, cached_keys, *previous) if t is not None]
         self.pending = step.rebuilder.submit(slow.rows, rebuild, inputs, step.plan.compact_width)
         self.settle()
 
+    def _previous_selection(self, slow: SlowRows
+                            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(selected, pinned)``, each ``[n, H, T]`` bool or None: the positions the rows'
+        current memories hold, and those of them that are pinned (kept by every refresh)."""
+        pinned_rows = slow.pins * (~slow.pinning)
+        wants_previous = any(g.hysteresis > 0 for g in slow.groups)
+        if self.compact_positions is None or not (wants_previous or bool(pinned_rows.any())):
+            return None, None
+        n, t = len(slow.rows), slow.candidates.shape[-1]
+        current = slow.rows.take(self.compact_positions)  # [n, H, C]
+        slot = torch.arange(current.shape[-1], device=self.device)[None, None, :]
+        start = slow.sinks[:, None, None]
 
-def score_rows(slow: SlowRows, evidence: Evidence) -> torch.Tensor:
-    """``[n, H, T]`` scores of the slow rows, each row by its own sequence's scorer."""
-    (scorer, local), *others = slow.scorers
-    if not others:
-        return scorer.score(evidence)
-    scores = torch.empty_like(evidence.key_norms, dtype=torch.float32)
-    for scorer, local in slow.scorers:
-        part = evidence.subset(local.index)
-        local.put(scores, scorer.score(part).float())
-    return scores
+        def mask(count: torch.Tensor) -> torch.Tensor:
+            held = (slot >= start) & (slot < start + count[:, None, None])
+            out = torch.zeros(n, current.shape[1], t + 1, dtype=torch.bool, device=self.device)
+            out.scatter_(-1, torch.where(held, current.clamp(max=t - 1), t), True)
+            return out[..., :t]
+
+        selected = mask(slow.previous_k) if wants_previous else None
+        pinned = mask(pinned_rows) if bool(pinned_rows.any()) else None
+        return selected, pinned
+
+
+def select_rows(slow: SlowRows, evidence: Evidence,
+                previous: tuple[torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
+    """``[n, H, k_max]`` the compact slots of the slow rows: each row scored by its own
+    sequence's scorer and selected by its rule (pages, hysteresis), its pinned positions kept
+    (and listed first)."""
+    selected, pinned = previous
+    slots = None
+    for group in slow.groups:
+        part = evidence if group.rows is None else evidence.subset(group.rows.index)
+
+        def local(t: torch.Tensor | None, group=group) -> torch.Tensor | None:
+            return t if t is None or group.rows is None else group.rows.take(t)
+
+        k = local(slow.k)
+        scores = group.scorer.score(part)
+        keep = local(pinned)
+        if group.hysteresis > 0 and selected is not None:
+            kept = hysteresis_keep(scores, part.candidates, k, local(selected),
+                                   group.hysteresis, group.page)
+            keep = kept if keep is None else keep | kept
+        order, valid = selection_order(scores, part.candidates, k, group.page, keep)
+        chosen = compact_slots(order, valid, part.candidates, local(slow.pins))
+        if group.rows is None:
+            return chosen
+        if slots is None:
+            width = int(slow.k.max())
+            slots = chosen.new_zeros(len(slow.rows), chosen.shape[1], width)
+        group.rows.put(slots[..., : chosen.shape[-1]], chosen)
+    return slots

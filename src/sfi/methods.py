@@ -18,7 +18,7 @@ import torch
 
 from sfi.cache import SlowFastCache
 from sfi.caches import DecodeCache, FullCache, FullStaticCache
-from sfi.config import PRESETS, SFIConfig
+from sfi.config import PRESETS, SFIConfig, parse_overrides
 from sfi.errors import SFIError
 from sfi.eviction import POLICIES, EvictionCache, make_policy
 from sfi.scorers import Scorer
@@ -58,14 +58,16 @@ class Method:
     kind: str
     scorer: str | None = None
     preset: str | None = None
+    fields: tuple[tuple[str, Any], ...] = ()
 
     def sfi_config(self, base: SFIConfig | None = None,
                    overrides: dict[str, Any] | None = None) -> SFIConfig:
-        """SFI's configuration for this method: its preset with ``overrides``, else ``base``
-        (or the defaults) with ``overrides``."""
+        """SFI's configuration for this method: its preset (else ``base``, else the defaults),
+        then ``overrides``, then the fields its name sets (``sfi[page_size=16]``)."""
+        values = {**(overrides or {}), **dict(self.fields)}
         if self.preset is not None:
-            return SFIConfig.from_preset(self.preset, **(overrides or {}))
-        return replace(base or SFIConfig(), **(overrides or {}))
+            return SFIConfig.from_preset(self.preset, **values)
+        return replace(base or SFIConfig(), **values)
 
     @property
     def needs_history(self) -> bool:
@@ -75,7 +77,16 @@ class Method:
 
 def parse_method(name: str) -> Method:
     """``full``, ``full-static``, ``sfi``, ``sfi:<preset>`` (e.g. ``sfi:paper``),
-    ``sfi+<scorer>`` or an eviction baseline's name."""
+    ``sfi+<scorer>`` or an eviction baseline's name. An SFI method may set config fields in
+    brackets: ``sfi[pool_kernel=9,page_size=16]``, ``sfi:paper[nms_strength=0]``."""
+    if name.endswith("]") and "[" in name:
+        head, _, inner = name[:-1].partition("[")
+        method = parse_method(head)
+        if method.kind != "sfi":
+            raise SFIError(f"{name!r}: only SFI methods take config fields in brackets")
+        fields = parse_overrides([i for i in inner.split(",") if i.strip()], name)
+        method.sfi_config(overrides=fields)  # a clear error for a value the config refuses
+        return replace(method, name=name, fields=tuple(fields.items()))
     if name in ("full", "full-static"):
         return Method(name, name)
     if name == "sfi":

@@ -14,8 +14,9 @@ C compact slots (sink + selected) per KV head.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,6 +46,7 @@ class Memory:
     sink_end: int
     recent_start: int
     k: int
+    pinned: int = 0
 
     @property
     def sink_count(self) -> int:
@@ -64,6 +66,19 @@ def refresh_memory(total: int, pad: int, sink: int, recent: int, budget: int) ->
                   k=min(budget, recent_start - sink_end))
 
 
+def next_memory(seq: SequenceState, total: int) -> Memory:
+    """The memory of ``seq`` refreshed at cache length ``total``: the geometry of
+    :func:`refresh_memory`, and the positions it keeps pinned (``pin_fraction`` of its first
+    selection's K, kept by every later refresh)."""
+    c = seq.config
+    memory = refresh_memory(total, seq.pad, c.sink, c.recent, c.budget(total - seq.pad))
+    if seq.memory is None:
+        pinned = math.floor(c.pin_fraction * memory.k)
+    else:
+        pinned = min(seq.memory.pinned, memory.k)
+    return replace(memory, pinned=pinned)
+
+
 @dataclass
 class SequenceState:
     """What one sequence carries between steps: its config, trigger, scorer, selection and
@@ -80,6 +95,17 @@ class SequenceState:
 
 
 @dataclass(frozen=True)
+class SelectionGroup:
+    """Slow rows that share a scorer and a selection rule (page size, hysteresis); ``rows``
+    index into the slow rows (None: all of them)."""
+
+    scorer: Scorer
+    page: int
+    hysteresis: float
+    rows: Rows | None
+
+
+@dataclass(frozen=True)
 class SlowRows:
     """The sequences refreshed in this forward, one entry per row of ``rows``.
 
@@ -92,7 +118,10 @@ class SlowRows:
         candidates: ``[n, T]`` bool, the middle region as a mask.
         sink_positions: ``[n, S_max]`` positions of the sink entries (clamped where a row has
             fewer).
-        scorers: ``(scorer, local rows)`` pairs; local rows index into ``rows`` (None: all).
+        groups: the rows that share a scorer and a selection rule.
+        previous_k: ``[n]`` K of the memory this refresh replaces (0: the first selection).
+        pins: ``[n]`` positions per KV head each row keeps pinned; ``pinning`` ``[n]`` bool:
+            this (first) selection chooses them.
         evidence_bias: ``[n, W, T]`` causal and padding bias of the last W queries of a
             multi-token forward (after prefill); None at a decode-time slow step.
     """
@@ -105,7 +134,10 @@ class SlowRows:
     sinks: torch.Tensor
     candidates: torch.Tensor
     sink_positions: torch.Tensor
-    scorers: tuple[tuple[Scorer, Rows | None], ...]
+    groups: tuple[SelectionGroup, ...]
+    previous_k: torch.Tensor
+    pins: torch.Tensor
+    pinning: torch.Tensor
     evidence_bias: torch.Tensor | None = None
 
     @property
@@ -234,8 +266,7 @@ class Planner:
         if not rows:
             return None
         seqs = [self.sequences[r] for r in rows]
-        memories = tuple(refresh_memory(total, s.pad, s.config.sink, s.config.recent,
-                                        s.config.budget(total - s.pad)) for s in seqs)
+        memories = tuple(next_memory(s, total) for s in seqs)
         s_max = max(m.sink for m in memories)
         sinks = [[min(m.pad + j, max(m.sink_end - 1, m.pad)) for j in range(s_max)]
                  for m in memories]
@@ -253,7 +284,11 @@ class Planner:
             sinks=torch.tensor([m.sink for m in memories], device=device),
             candidates=candidates,
             sink_positions=torch.tensor(sinks, dtype=torch.long, device=device),
-            scorers=_scorer_groups([s.scorer for s in seqs], device),
+            groups=_selection_groups(seqs, device),
+            previous_k=torch.tensor([s.memory.k if s.memory is not None else 0 for s in seqs],
+                                    device=device),
+            pins=torch.tensor([m.pinned for m in memories], device=device),
+            pinning=torch.tensor([s.memory is None for s in seqs], device=device),
             evidence_bias=evidence_bias)
 
     @staticmethod
@@ -345,8 +380,8 @@ class Planner:
             seq.pad += amount
             if seq.memory is not None:
                 m = seq.memory
-                seq.memory = Memory(m.pad + amount, m.sink, m.sink_end + amount,
-                                    m.recent_start + amount, m.k)
+                seq.memory = replace(m, pad=m.pad + amount, sink_end=m.sink_end + amount,
+                                     recent_start=m.recent_start + amount)
 
     def absorb(self, other: Planner) -> None:
         """Append ``other``'s sequences (already shifted to this batch's alignment)."""
@@ -362,14 +397,14 @@ class Planner:
         return trim
 
 
-def _scorer_groups(scorers: list[Scorer], device: torch.device
-                   ) -> tuple[tuple[Scorer, Rows | None], ...]:
-    """Group rows by scorer object: one group (``None``: every row) in the usual case."""
-    first = scorers[0]
-    if all(s is first for s in scorers):
-        return ((first, None),)
-    groups: dict[int, tuple[Scorer, list[int]]] = {}
-    for local, scorer in enumerate(scorers):
-        groups.setdefault(id(scorer), (scorer, []))[1].append(local)
-    n = len(scorers)
-    return tuple((scorer, Rows(tuple(rows), n, device)) for scorer, rows in groups.values())
+def _selection_groups(seqs: Sequence[SequenceState], device: torch.device
+                      ) -> tuple[SelectionGroup, ...]:
+    """Group the slow rows by scorer object and selection rule: one group in the usual case."""
+    groups: dict[tuple[int, int, float], tuple[Scorer, list[int]]] = {}
+    for local, seq in enumerate(seqs):
+        key = (id(seq.scorer), seq.config.page_size, seq.config.hysteresis)
+        groups.setdefault(key, (seq.scorer, []))[1].append(local)
+    n = len(seqs)
+    return tuple(SelectionGroup(scorer, page, hysteresis,
+                                None if len(rows) == n else Rows(tuple(rows), n, device))
+                 for (_, page, hysteresis), (scorer, rows) in groups.items())

@@ -3,7 +3,8 @@
 For one layer, every sequence b and KV head h, over the middle region M = [lo, hi):
 
 1. evidence f: power mean (alpha) over the evidence rows of the attention probabilities
-   restricted to M, renormalised;
+   restricted to M, renormalised; (1b, beyond the paper: pooled along positions, so that a
+   needle's whole span ranks with its peak);
 2. prior r: softmax over M of  w_norm * (-gamma * log||k_i||) + w_pos * (-beta u^p + eta log(1-u));
 3. fusion: s = (1 - lambda) f + lambda r with lambda* = <f, f - r> / ||f - r||^2, clipped;
 4. soft-NMS on l = log s: l' = l - strength * max(0, max_{|j-i|<=radius} l(j) - l(i));
@@ -50,6 +51,26 @@ def evidence_distribution(logits: torch.Tensor, candidates: torch.Tensor,
     else:
         f = p.pow(alpha).mean(dim=-2).pow(1.0 / alpha)
     return _normalise(f, candidates)
+
+
+def pool_positions(f: torch.Tensor, candidates: torch.Tensor, kernel: int,
+                   mode: str = "max") -> torch.Tensor:
+    """Stage 1b (beyond METHOD.md), span-preserving evidence: ``f [B, H, T]`` pooled along
+    positions over an odd ``kernel`` (max or average, same length), renormalised over M.
+
+    A needle is a run of neighbouring tokens of which the queries single out one or two; the
+    pooled evidence gives the run's neighbours their peak's mass, so the whole span ranks
+    together (SnapKV and RocketKV pool for the same reason)."""
+    if kernel <= 1:
+        return f
+    b, h, t = f.shape
+    flat = (f * candidates[:, None, :]).reshape(b * h, 1, t)
+    pad = kernel // 2
+    if mode == "max":
+        pooled = F.max_pool1d(flat, kernel, stride=1, padding=pad)
+    else:
+        pooled = F.avg_pool1d(flat, kernel, stride=1, padding=pad, count_include_pad=False)
+    return _normalise(pooled.reshape(b, h, t), candidates)
 
 
 def prior_distribution(key_norms: torch.Tensor, candidates: torch.Tensor, lo: torch.Tensor,
@@ -130,7 +151,8 @@ def exclusivity(log_s: torch.Tensor, candidates: torch.Tensor, temperature: floa
 
 
 def top_k_positions(scores: torch.Tensor, candidates: torch.Tensor,
-                    k_per_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    k_per_row: torch.Tensor, page: int = 1,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 6, the K best candidates per (sequence, KV head), in increasing position order.
 
     Args:
@@ -138,27 +160,102 @@ def top_k_positions(scores: torch.Tensor, candidates: torch.Tensor,
             candidates (it can still be chosen when fewer than K candidates score higher).
         candidates: ``[B, T]`` bool.
         k_per_row: ``[B]`` how many to keep per sequence, at most the number of candidates.
+        page: above 1, whole pages of ``page`` positions (aligned at 0) are taken, ranked by
+            their best candidate (:func:`selection_order`).
+        keep: ``[B, H, T]`` bool, positions taken before any other (pinned, or kept by
+            hysteresis), best first among themselves.
 
     Returns:
         ``(positions [B, H, k_max], valid [B, k_max])`` with k_max = max(k_per_row); slots
         ``j >= k_per_row[b]`` are invalid and hold the position of the first candidate.
     """
-    b, h, t = scores.shape
-    k_max = int(k_per_row.max().item()) if b else 0
-    if k_max == 0:
-        empty = torch.zeros(b, h, 0, dtype=torch.long, device=scores.device)
-        return empty, torch.zeros(b, 0, dtype=torch.bool, device=scores.device)
+    order, valid = selection_order(scores, candidates, k_per_row, page, keep)
+    return _sorted_slots(order, valid, candidates), valid
+
+
+def _ranked(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Scores as float32 with NaN and -inf last among candidates, non-candidates at -inf."""
     lowest = torch.finfo(torch.float32).min
     ranked = scores.float().nan_to_num(nan=lowest, posinf=torch.finfo(torch.float32).max,
                                        neginf=lowest)
-    ranked = ranked.masked_fill(~candidates[:, None, :], NEG_INF)
-    top = torch.topk(ranked, k_max, dim=-1).indices  # [B, H, k_max], best first
-    slot = torch.arange(k_max, device=scores.device)
-    valid = slot[None, :] < k_per_row[:, None]  # [B, k_max]
+    return ranked.masked_fill(~candidates[:, None, :], NEG_INF)
+
+
+def _sorted_slots(top: torch.Tensor, valid: torch.Tensor,
+                  candidates: torch.Tensor) -> torch.Tensor:
+    """Positions ``top [B, H, k]`` in increasing order, invalid slots last holding the first
+    candidate."""
+    t = candidates.shape[-1]
     top = top.masked_fill(~valid[:, None, :], t)  # invalid slots sort last
     top = torch.sort(top, dim=-1).values
     first_candidate = candidates.float().argmax(dim=-1)  # [B]
-    return torch.where(top == t, first_candidate[:, None, None], top), valid
+    return torch.where(top == t, first_candidate[:, None, None], top)
+
+
+def rank_keys(scores: torch.Tensor, candidates: torch.Tensor, page: int = 1) -> torch.Tensor:
+    """``[B, H, T]`` int64 order keys, smallest first: a candidate's rank by score (ties by
+    position); with pages, ``page_rank * page + offset`` so that a page's positions follow each
+    other, pages ranked by their best candidate. Non-candidates get a key larger than all."""
+    b, h, t = scores.shape
+    ranked = _ranked(scores, candidates)
+    positions = torch.arange(t, device=scores.device)
+    if page <= 1:
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+        keys = torch.empty_like(order).scatter_(-1, order, positions.expand(b, h, t))
+    else:
+        pages = -(-t // page)
+        padded = F.pad(ranked, (0, pages * page - t), value=NEG_INF)
+        best = padded.reshape(b, h, pages, page).amax(dim=-1)  # [B, H, P]
+        order = torch.sort(best, dim=-1, descending=True, stable=True).indices
+        page_rank = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(pages, device=scores.device).expand(b, h, pages))
+        keys = page_rank.repeat_interleave(page, dim=-1)[..., :t] * page + positions % page
+    limit = torch.iinfo(torch.int64).max
+    return keys.masked_fill(~candidates[:, None, :], limit)
+
+
+def selection_order(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: torch.Tensor,
+                    page: int = 1, keep: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 6: ``(order [B, H, k_max], valid [B, k_max])``, the chosen positions best first
+    (kept ones first, then whole pages in rank order); see :func:`top_k_positions`."""
+    b, t = scores.shape[0], scores.shape[-1]
+    k_max = int(k_per_row.max().item()) if b else 0
+    valid = torch.arange(k_max, device=scores.device)[None, :] < k_per_row[:, None]
+    if page <= 1 and keep is None:
+        return torch.topk(_ranked(scores, candidates), k_max, dim=-1).indices, valid
+    keys = rank_keys(scores, candidates, page)
+    if keep is not None:  # kept candidates before all others, in their own order
+        shift = -(-t // page) * page
+        keys = torch.where(keep & candidates[:, None, :] | (keys == torch.iinfo(torch.int64).max),
+                           keys, keys + shift)
+    return torch.topk(keys, k_max, dim=-1, largest=False).indices, valid
+
+
+def compact_slots(order: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor,
+                  pins: torch.Tensor) -> torch.Tensor:
+    """The slots of a compact memory from a selection best first ``order [B, H, k]``: each
+    row's first ``pins[b]`` (its pinned positions) in increasing position order, then the rest
+    in increasing order; invalid slots last, holding the first candidate."""
+    if not bool((pins > 0).any()):
+        return _sorted_slots(order, valid, candidates)
+    t = candidates.shape[-1]
+    slot = torch.arange(order.shape[-1], device=order.device)
+    rest = (slot[None, :] >= pins[:, None]).long()[:, None, :]  # [B, 1, k]: not pinned
+    keys = order.masked_fill(~valid[:, None, :], t) + rest * (t + 1)
+    by_key = torch.sort(keys, dim=-1).indices
+    top = order.gather(-1, by_key).masked_fill(~valid[:, None, :], t)
+    first_candidate = candidates.float().argmax(dim=-1)
+    return torch.where(top == t, first_candidate[:, None, None], top)
+
+
+def hysteresis_keep(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: torch.Tensor,
+                    previous: torch.Tensor, hysteresis: float, page: int = 1) -> torch.Tensor:
+    """``[B, H, T]`` bool: the previously selected positions (``previous``, bool) that still
+    rank within the top (1 + hysteresis) K of ``scores``."""
+    keys = rank_keys(scores, candidates, page)
+    within = keys < ((1.0 + hysteresis) * k_per_row.float()).ceil().long()[:, None, None]
+    return previous & within & candidates[:, None, :]
 
 
 @dataclass(frozen=True)
@@ -166,15 +263,23 @@ class SFISelector:
     """The SFI Selector, stages 1-5 (stage 6, top-K, is shared by every scorer).
 
     Each stage can be switched off: ``nms_strength=0``, ``exclusivity_strength=0``,
-    ``lambda caps = 0`` (pure evidence), ``w_norm = w_pos = 0`` (flat prior).
+    ``lambda caps = 0`` (pure evidence), ``w_norm = w_pos = 0`` (flat prior); ``pool_kernel``
+    above 1 adds the span-preserving pooling of the evidence (stage 1b).
     """
 
     config: SFIConfig
 
-    def score(self, evidence: Evidence) -> torch.Tensor:
+    def stages(self, evidence: Evidence) -> dict[str, torch.Tensor]:
+        """The score ``[B, H, T]`` after each stage, in order: ``evidence`` (f), ``pooled``
+        (when on), ``fused`` (log s), ``nms``, ``exclusive`` (the final score)."""
         c = self.config
         m = evidence.candidates
+        out: dict[str, torch.Tensor] = {}
         f = evidence_distribution(evidence.logits, m, c.alpha)
+        out["evidence"] = f
+        if c.pool_kernel > 1:
+            f = pool_positions(f, m, c.pool_kernel, c.pool)
+            out["pooled"] = f
         r = prior_distribution(evidence.key_norms, m, evidence.lo, evidence.hi, gamma=c.gamma,
                                w_norm=c.w_norm, w_pos=c.w_pos, power=c.pos_power, eta=c.eta,
                                beta=c.beta)
@@ -182,6 +287,12 @@ class SFISelector:
         cap = c.lambda_cap_single if n_rows == 1 else c.lambda_cap_multi
         s = fuse(f, r, fusion_weight(f, r, cap))
         log_s = torch.log(s).masked_fill(~m[:, None, :], NEG_INF)
+        out["fused"] = log_s
         log_s = soft_nms(log_s, m, c.nms_radius, c.nms_strength)
-        return exclusivity(log_s, m, c.exclusivity_temperature, c.exclusivity_strength,
-                           c.exclusivity_min_heads)
+        out["nms"] = log_s
+        out["exclusive"] = exclusivity(log_s, m, c.exclusivity_temperature,
+                                       c.exclusivity_strength, c.exclusivity_min_heads)
+        return out
+
+    def score(self, evidence: Evidence) -> torch.Tensor:
+        return self.stages(evidence)["exclusive"]

@@ -37,6 +37,8 @@ def summarize(rows: list[Row]) -> list[Row]:
         entry["samples"] = {t: len(v) for t, v in by_task.items()}
         retrieval = [v for t, v in entry["scores"].items() if t != "fidelity"]
         entry["average"] = round(mean(retrieval), 2) if retrieval else None
+        if retrieval:
+            entry["average_ci"] = bootstrap_interval(_per_task(members))
         fidelity = [r for r in members if r["task"] == "fidelity"]
         if fidelity:
             entry["kl"] = round(mean(r["kl"] for r in fidelity), 5)
@@ -46,7 +48,57 @@ def summarize(rows: list[Row]) -> list[Row]:
     order = {t: i for i, t in enumerate(TASKS)}
     for entry in out:
         entry["scores"] = dict(sorted(entry["scores"].items(), key=lambda kv: order[kv[0]]))
+    _add_paired_differences(out, groups)
     return sorted(out, key=_table_order)
+
+
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def _per_task(members: list[Row]) -> dict[str, dict[int, float]]:
+    """Retrieval scores by task, then by sample."""
+    out: dict[str, dict[int, float]] = defaultdict(dict)
+    for r in members:
+        if r["task"] != "fidelity":
+            out[r["task"]][r["sample"]] = r["score"]
+    return out
+
+
+def bootstrap_interval(scores: dict[str, dict[int, float]], level: float = 0.95,
+                       resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+                       ) -> list[float] | None:
+    """Percentile bootstrap interval of the task average: each resample draws, within every
+    task, as many samples as it has, with replacement (the tasks are fixed, the samples are
+    what varies). ``scores[task][sample]``; None with a single sample per task."""
+    import numpy as np
+
+    tasks = [np.array(list(v.values()), dtype=float) for v in scores.values() if v]
+    if not tasks or all(len(t) < 2 for t in tasks):
+        return None
+    rng = np.random.default_rng(seed)
+    means = np.zeros(resamples)
+    for values in tasks:
+        draws = rng.integers(0, len(values), size=(resamples, len(values)))
+        means += values[draws].mean(axis=1)
+    means /= len(tasks)
+    tail = (1 - level) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return [round(float(low), 2), round(float(high), 2)]
+
+
+def _add_paired_differences(entries: list[Row], groups: dict[tuple, list[Row]]) -> None:
+    """Each entry's task-average difference to full attention on the same samples, with its
+    bootstrap interval (paired: a resample draws the same samples for both)."""
+    for entry in entries:
+        full = groups.get((entry["context"], "full"))
+        if full is None or entry["label"] == "full" or entry["average"] is None:
+            continue
+        mine, theirs = _per_task(groups[(entry["context"], entry["label"])]), _per_task(full)
+        paired = {task: {i: score - theirs[task][i] for i, score in samples.items()
+                         if i in theirs.get(task, {})} for task, samples in mine.items()}
+        if any(paired.values()):
+            entry["delta_full"] = round(mean(mean(v.values()) for v in paired.values() if v), 2)
+            entry["delta_full_ci"] = bootstrap_interval(paired)
 
 
 def _table_order(entry: Row) -> tuple:
@@ -67,7 +119,7 @@ def table_rows(summary: list[Row]) -> tuple[list[str], list[list[str]]]:
     retrieval = [t for t in tasks if t != "fidelity"]
     header = ["context", "method", "retention", *retrieval]
     if retrieval:
-        header.append("avg")
+        header += ["avg", "95% CI", "vs full [95% CI]"]
     if "fidelity" in tasks:
         header += ["top1 %", "KL", "ppl"]
     cells = []
@@ -75,7 +127,9 @@ def table_rows(summary: list[Row]) -> tuple[list[str], list[list[str]]]:
         row = [str(e["context"]), e["label"], f"{100 * e['retention']:.1f}%"]
         row += [_num(e["scores"].get(t)) for t in retrieval]
         if retrieval:
-            row.append(_num(e["average"]))
+            row += [_num(e["average"]), _interval(e.get("average_ci")),
+                    "-" if "delta_full" not in e else
+                    f"{e['delta_full']:+.1f} {_interval(e.get('delta_full_ci'))}"]
         if "fidelity" in tasks:
             row += [_num(100 * e["top1"] if "top1" in e else None),
                     f"{e['kl']:.4f}" if "kl" in e else "-", _num(e.get("ppl"))]
@@ -87,6 +141,10 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _interval(bounds: list[float] | None) -> str:
+    return "-" if bounds is None else f"[{bounds[0]:.1f}, {bounds[1]:.1f}]"
+
+
 def markdown(result: Row, plots: list[str]) -> str:
     """The report: what ran, the table, per-sample outputs' location, the plots."""
     header, cells = table_rows(result["summary"])
@@ -96,7 +154,10 @@ def markdown(result: Row, plots: list[str]) -> str:
              f"Command: `{result.get('command', 'sfi eval')}`", "",
              "Scores are percentages (string match; `sequential` counts needles recalled in "
              "the asked order; fidelity's score is top-1 agreement with full attention). "
-             "Retention is the measured mean fraction of the context each decode step read.", "",
+             "Retention is the measured mean fraction of the context each decode step read. "
+             "Intervals are 95% percentile bootstraps over the samples (resampled within each "
+             "task); `vs full` is the paired difference to full attention on the same "
+             "samples.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
     lines += ["", "Per-sample rows, with each output, are in `results.json`.", ""]

@@ -9,7 +9,7 @@ costs one prefill per sample plus short decodes.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -188,15 +188,19 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
              samples: int, seed: int = 0, window: int = WINDOW,
              fidelity_tokens: int = FIDELITY_TOKENS, base: SFIConfig | None = None,
              tag: str = "", on_sample: Callable[[str, int, int], None] | None = None,
-             store: Path | None = None, overrides: dict[str, Any] | None = None
-             ) -> list[EvalRow]:
+             store: Path | None = None, overrides: dict[str, Any] | None = None,
+             on_rows: Callable[[list[EvalRow]], None] | None = None,
+             done: Collection[tuple[str, int, int]] = ()) -> list[EvalRow]:
     """Evaluate ``methods`` (names, or ``name@budget``) at each of ``budgets`` on ``samples``
-    seeded samples of each task and context length; ``base`` sets SFI's knobs other than the
-    budget and ``overrides`` fields on top of it or of a method's preset (``sfi:paper``);
-    budget. A ``tag`` is appended to every method name of the rows (``sfi:tag``), so that runs
-    of variants can be merged into one report. ``on_sample(task, context, index)`` reports
-    progress; ``store`` keeps every sample's prefill on disk, so that a later run of other
-    methods on the same samples skips them."""
+    seeded samples of each task and context length.
+
+    ``base`` sets SFI's knobs other than the budget and ``overrides`` fields on top of it or of
+    a method's preset (``sfi:paper``). A ``tag`` is appended to every method name of the rows
+    (``sfi:tag``), so that runs of variants can be merged into one report.
+    ``on_sample(task, context, index)`` reports progress and ``on_rows(rows)`` receives each
+    sample's rows as soon as they exist; samples ``(task, context, seed)`` in ``done`` are
+    skipped (a resumed run). ``store`` keeps every sample's prefill on disk, so that a later run
+    of other methods on the same samples skips them."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise SFIError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
@@ -211,13 +215,17 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
             for index in range(samples):
                 if on_sample is not None:
                     on_sample(task, context, index)
+                if (task, context, seed + index) in done:
+                    continue
                 sample = make_sample(task, tokenizer, context, seed + index,
                                      depth=_depth(task, index, samples),
                                      continuation=fidelity_tokens)
-                rows.extend(evaluate_sample(model, tokenizer, sample, seed + index, runs, window,
-                                            base, store, overrides))
-                gc.collect()  # caches reference their layers and back: free their KV now
-    if tag:
-        for row in rows:
-            row.method = f"{row.method}:{tag}"
+                new = evaluate_sample(model, tokenizer, sample, seed + index, runs, window, base,
+                                      store, overrides)
+                for row in new:
+                    row.method = f"{row.method}:{tag}" if tag else row.method
+                rows.extend(new)
+                if on_rows is not None:
+                    on_rows(new)
+                gc.collect()  # free this sample's caches and KV now
     return rows

@@ -1,0 +1,220 @@
+"""Why SFI keeps or loses an answer: the selection's coverage of it, stage by stage, and the
+attention mass its fast memory holds at each answer step.
+
+For one task sample and several SFI methods at one budget (every method continues one shared
+prefill, as in ``sfi eval``):
+
+- **coverage**: the answer's tokens in the prompt (e.g. the digits of a passkey) and, for the
+  first selection after the prompt, which of them the top-K of each Selector stage holds, per
+  (layer, KV head); ``selected`` is what the memory really holds (pages, pins included);
+- **captured mass**: feeding full attention's own answer token by token, the attention mass of
+  full attention at each answer step that the SFI memory of that step (sinks, selected,
+  recent window) holds, per layer, averaged over KV heads and query heads;
+- the method's own greedy answer and its score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from sfi.cache import SlowFastCache
+from sfi.decode import decode_one, prefill
+from sfi.eval.runner import WINDOW, greedy_continue
+from sfi.eval.tasks import Sample, score
+from sfi.eviction.cache import EvictionCache
+from sfi.hf import eos_token_ids
+from sfi.methods import budget_tokens, build_cache, parse_method
+from sfi.prefix import SharedPrefill
+from sfi.scorers import Evidence, Scorer
+from sfi.selector import top_k_positions
+
+
+def answer_positions(tokenizer: Any, sample: Sample) -> dict[str, list[int]]:
+    """Prompt token positions of each answer, where it stands in its needle sentence."""
+    encoded = tokenizer(sample.text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(encoded["input_ids"]) != list(sample.prompt_ids):
+        return {}
+    offsets = encoded["offset_mapping"]
+    spans: dict[str, list[int]] = {}
+    for answer in sample.answers:
+        needle = next((n for n in sample.needles if answer in n), None)
+        if needle is None or needle not in sample.text:
+            continue
+        start = sample.text.index(needle) + needle.index(answer)
+        end = start + len(answer)
+        spans[answer] = [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
+    return spans
+
+
+class RecordingScorer:
+    """Wraps a scorer; keeps the per-stage scores of each layer's first call (the selection
+    after the prompt)."""
+
+    def __init__(self, inner: Scorer):
+        self.inner = inner
+        self.first: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+
+    def score(self, evidence: Evidence) -> torch.Tensor:
+        stages = getattr(self.inner, "stages", None)
+        scores = stages(evidence) if stages is not None else {"score": self.inner.score(evidence)}
+        if evidence.layer_idx not in self.first:
+            self.first[evidence.layer_idx] = (scores, evidence.candidates)
+        return list(scores.values())[-1]
+
+
+@dataclass
+class MethodDiagnosis:
+    """One method on the sample. ``coverage[stage][answer]`` is the share of (layer, KV head)
+    selections that hold the whole answer, ``token_coverage[stage]`` the share of answer tokens
+    held over all (layer, KV head); ``captured[step]`` the mass held, mean over layers, and
+    ``captured_min[step]`` the lowest layer's."""
+
+    method: str
+    output: str
+    score: float
+    k: int
+    coverage: dict[str, dict[str, float]] = field(default_factory=dict)
+    token_coverage: dict[str, float] = field(default_factory=dict)
+    captured: list[float] = field(default_factory=list)
+    captured_min: list[float] = field(default_factory=list)
+    layer_coverage: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Diagnosis:
+    task: str
+    context: int
+    sample: int
+    budget: float
+    answers: list[str]
+    positions: dict[str, list[int]]
+    full_output: str
+    methods: list[MethodDiagnosis] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _coverage(selections: list[torch.Tensor], spans: dict[str, list[int]]
+              ) -> tuple[dict[str, float], float, list[float]]:
+    """``selections[layer]`` ``[H, k]`` -> (per answer: share of (layer, head) holding all its
+    tokens, share of answer tokens held, per layer share of answer tokens held)."""
+    whole: dict[str, float] = {}
+    tokens = [p for span in spans.values() for p in span]
+    per_layer = []
+    for answer, span in spans.items():
+        wanted = torch.tensor(span)
+        held = [bool(torch.isin(wanted, head).all()) for sel in selections for head in sel]
+        whole[answer] = sum(held) / max(1, len(held))
+    wanted = torch.tensor(tokens)
+    for sel in selections:
+        per_layer.append(float(torch.isin(wanted[None], sel[:, None, :]).float().mean())
+                         if tokens else 0.0)
+    share = sum(per_layer) / max(1, len(per_layer))
+    return whole, share, per_layer
+
+
+def _memory_mask(cache: SlowFastCache, layer: int, length: int) -> torch.Tensor:
+    """``[H, T]`` bool: what sequence 0's fast memory reads at ``layer`` for a cache of
+    ``length`` positions."""
+    memory = cache.memory(0)
+    chosen = cache.selected_positions(layer, 0)
+    mask = torch.zeros(chosen.shape[0], length, dtype=torch.bool)
+    mask[:, memory.pad: memory.sink_end] = True
+    mask[:, memory.recent_start:] = True
+    mask.scatter_(-1, chosen.cpu(), True)
+    return mask
+
+
+@torch.inference_mode()
+def diagnose(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
+             methods: list[str], budget: float, window: int = WINDOW,
+             store: Any = None) -> Diagnosis:
+    """Diagnose ``methods`` (SFI methods, e.g. ``sfi``, ``sfi:paper``,
+    ``sfi[page_size=16]``) on one sample at ``budget`` (see the module docstring)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([sample.prompt_ids], device=device)
+    shared = SharedPrefill(model, ids[:, :-window], store=store)
+    eos = eos_token_ids(model, tokenizer)
+    full_cache = build_cache(model, tokenizer, "full")
+    full_tokens = greedy_continue(model, full_cache, shared, ids, sample.max_new_tokens, eos)
+    spans = answer_positions(tokenizer, sample)
+    result = Diagnosis(sample.task, sample.target, index, budget, list(sample.answers), spans,
+                       tokenizer.decode(full_tokens, skip_special_tokens=True))
+    for name in methods:
+        method = parse_method(name)
+        if method.kind != "sfi":
+            raise ValueError(f"diagnose takes SFI methods; {name!r} is not one")
+        cache = build_cache(model, tokenizer, method, budget=budget, context=sample.context)
+        tokens = greedy_continue(model, cache, shared, ids, sample.max_new_tokens, eos)
+        output = tokenizer.decode(tokens, skip_special_tokens=True)
+        diagnosis = MethodDiagnosis(name, output, score(sample.task, output, sample.answers),
+                                    k=budget_tokens(budget, sample.context))
+        diagnosis.coverage, diagnosis.token_coverage, diagnosis.layer_coverage = \
+            _stage_coverage(model, tokenizer, method, budget, sample, shared, ids, spans)
+        diagnosis.captured, diagnosis.captured_min = _captured_mass(
+            model, tokenizer, method, budget, sample, shared, ids, full_tokens)
+        result.methods.append(diagnosis)
+    return result
+
+
+def _stage_coverage(model, tokenizer, method, budget, sample, shared, ids, spans):
+    """Coverage of the answer by each stage's top-K and by the real selection, at the first
+    selection after the prompt."""
+    cache = build_cache(model, tokenizer, method, budget=budget, context=sample.context)
+    recorder = RecordingScorer(cache.scorer)
+    cache.scorer = recorder  # the sequences take it when the prefix is loaded
+    shared.load(cache)
+    prefill(model, cache, ids[:, shared.length:], start=shared.length)
+    memory = cache.memory(0)
+    k = torch.tensor([memory.k])
+    layers = sorted(recorder.first)
+    coverage, token_coverage = {}, {}
+    per_layer: list[float] = []
+    stage_names = list(recorder.first[layers[0]][0]) if layers else []
+    for stage in [*stage_names, "selected"]:
+        if stage == "selected":
+            selections = [cache.selected_positions(layer, 0).cpu() for layer in layers]
+        else:
+            selections = []
+            for layer in layers:
+                stages, candidates = recorder.first[layer]
+                chosen, _ = top_k_positions(stages[stage], candidates, k)
+                selections.append(chosen[0].cpu())
+        coverage[stage], token_coverage[stage], per_layer = _coverage(selections, spans)
+    return coverage, token_coverage, per_layer
+
+
+def _captured_mass(model, tokenizer, method, budget, sample, shared, ids, full_tokens):
+    """Per answer step (full attention's own answer fed to both), the mass of full attention
+    that the SFI memory holds (all of it on a slow step): mean over layers, and the lowest
+    layer."""
+    sfi_cache = build_cache(model, tokenizer, method, budget=budget, context=sample.context)
+    held: list[float] = []
+
+    def observe(layer, attention: torch.Tensor) -> None:
+        mass = attention[0].float()  # [H, G, T]
+        if "slow" in sfi_cache.step_kinds():
+            held.append(1.0)
+            return
+        mask = _memory_mask(sfi_cache, layer.layer_idx, mass.shape[-1]).to(mass.device)
+        held.append(float(((mass * mask[:, None, :]).sum(-1) / mass.sum(-1)).mean()))
+
+    full = EvictionCache(model, policy=None, observer=observe)
+    for cache in (sfi_cache, full):
+        shared.load(cache)
+        prefill(model, cache, ids[:, shared.length:], start=shared.length)
+    total = ids.shape[1]
+    captured, lowest = [], []
+    for step, token in enumerate(full_tokens[:-1]):
+        position = torch.tensor([total + step], device=ids.device)
+        token_t = torch.tensor([token], device=ids.device)
+        decode_one(model, sfi_cache, token_t, position)  # the SFI memory of this step
+        held.clear()
+        decode_one(model, full, token_t, position)  # full attention, observed against it
+        captured.append(round(sum(held) / len(held), 4))
+        lowest.append(round(min(held), 4))
+    return captured, lowest
