@@ -194,7 +194,7 @@ def test_bootstrap_intervals_cover_the_mean_and_pair_with_full():
     entries = {e["label"]: e for e in summarize(rows)}
     sfi_entry = entries["sfi@0.1"]
     low, high = sfi_entry["average_ci"]
-    assert low < sfi_entry["average"] < high and 0 <= low and high <= 100
+    assert low < sfi_entry["average"] < high and low >= 0 and high <= 100
     assert sfi_entry["delta_full"] == round(sfi_entry["average"] - 100.0, 2)
     assert sfi_entry["delta_full_ci"][1] < 0  # it loses on the same samples, surely
     assert entries["full"]["average_ci"] == [100.0, 100.0] and "delta_full" not in entries["full"]
