@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_model
 from helpers import lockstep
@@ -108,11 +109,11 @@ def _poison_outside_memory(cache: SlowFastCache) -> None:
         layer.values[~keep] = garbage[~keep]
 
 
-def _poison_run(poison_before_step: int, period: int):
+def _poison_run(poison_before_step: int, period: int, **mechanisms):
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(4))
     config = SFIConfig(sink=3, recent=8, k_head=10, force_sparse=True, trigger="fixed",
-                       period=period)
+                       period=period, **mechanisms)
     clean = SlowFastCache(model, config)
     dirty = SlowFastCache(model, config)
     key = cache_argument(model)
@@ -128,8 +129,13 @@ def _poison_run(poison_before_step: int, period: int):
     return kind, float((a - b).abs().max())
 
 
-def test_a_fast_step_reads_only_sink_selected_and_recent():
-    kind, diff = _poison_run(poison_before_step=3, period=100)
+MECHANISMS = {"paper": {}, "pages, pins, hysteresis": dict(
+    pool_kernel=5, page_size=4, pin_fraction=0.5, hysteresis=1.0, nms_strength=0.0)}
+
+
+@pytest.mark.parametrize("mechanisms", list(MECHANISMS.values()), ids=list(MECHANISMS))
+def test_a_fast_step_reads_only_sink_selected_and_recent(mechanisms):
+    kind, diff = _poison_run(poison_before_step=3, period=100, **mechanisms)
     assert kind == "fast"
     assert diff == 0.0
 

@@ -384,12 +384,12 @@ def select_rows(slow: SlowRows, evidence: Evidence,
 
         k = local(slow.k)
         scores = group.scorer.score(part)
-        keep = local(pinned)
+        keep = None
         if group.hysteresis > 0 and selected is not None:
-            kept = hysteresis_keep(scores, part.candidates, k, local(selected),
+            keep = hysteresis_keep(scores, part.candidates, k, local(selected),
                                    group.hysteresis, group.page)
-            keep = kept if keep is None else keep | kept
-        order, valid = selection_order(scores, part.candidates, k, group.page, keep)
+        order, valid = selection_order(scores, part.candidates, k, group.page, keep,
+                                       local(pinned))
         chosen = compact_slots(order, valid, part.candidates, local(slow.pins))
         if group.rows is None:
             return chosen

@@ -215,20 +215,23 @@ def rank_keys(scores: torch.Tensor, candidates: torch.Tensor, page: int = 1) -> 
 
 
 def selection_order(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: torch.Tensor,
-                    page: int = 1, keep: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 6: ``(order [B, H, k_max], valid [B, k_max])``, the chosen positions best first
-    (kept ones first, then whole pages in rank order); see :func:`top_k_positions`."""
+                    page: int = 1, keep: torch.Tensor | None = None,
+                    pinned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 6: ``(order [B, H, k_max], valid [B, k_max])``, the chosen positions best first:
+    ``pinned`` ones first, then ``keep`` ones, then whole pages in rank order (each group in
+    its own rank order); see :func:`top_k_positions`."""
     b, t = scores.shape[0], scores.shape[-1]
     k_max = int(k_per_row.max().item()) if b else 0
     valid = torch.arange(k_max, device=scores.device)[None, :] < k_per_row[:, None]
-    if page <= 1 and keep is None:
+    if page <= 1 and keep is None and pinned is None:
         return torch.topk(_ranked(scores, candidates), k_max, dim=-1).indices, valid
     keys = rank_keys(scores, candidates, page)
-    if keep is not None:  # kept candidates before all others, in their own order
-        shift = -(-t // page) * page
-        keys = torch.where(keep & candidates[:, None, :] | (keys == torch.iinfo(torch.int64).max),
-                           keys, keys + shift)
+    span = -(-t // page) * page  # every candidate's key is below this
+    tier = torch.full_like(keys, 2)
+    for rank, chosen in ((1, keep), (0, pinned)):
+        if chosen is not None:
+            tier = tier.masked_fill(chosen & candidates[:, None, :], rank)
+    keys = torch.where(keys == torch.iinfo(torch.int64).max, keys, keys + tier * span)
     return torch.topk(keys, k_max, dim=-1, largest=False).indices, valid
 
 
