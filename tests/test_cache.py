@@ -95,10 +95,13 @@ def test_cache_keeps_every_token_and_grows_across_its_capacity():
         torch.testing.assert_close(layer.key_norms, ref_layer.keys.norm(dim=-1))
 
 
-def _poison_outside_memory(cache: SlowFastCache) -> None:
-    """Overwrite every cached entry that is not sink, selected or recent with garbage."""
+def _poison_outside_memory(cache: SlowFastCache, layers: list[int] | None = None) -> None:
+    """Overwrite every cached entry that is not sink, selected or recent with garbage (at
+    ``layers``, by default every slow-fast layer)."""
     memory = cache.memory(0)
     for layer in _layers(cache):
+        if layers is not None and layer.layer_idx not in layers:
+            continue
         keep = torch.zeros(layer.keys.shape[:3], dtype=torch.bool)  # [B, H, T]
         keep[:, :, : memory.sink_count] = True
         keep[:, :, memory.recent_start:] = True

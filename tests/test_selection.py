@@ -106,7 +106,8 @@ def test_hysteresis_keeps_what_still_ranks_within_the_wider_top():
     assert chosen[0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 19]
 
 
-MECHANISMS = dict(pool_kernel=5, page_size=8, pin_fraction=0.5, hysteresis=1.0, nms_strength=0.0)
+MECHANISMS = dict(pool_kernel=5, page_size=8, pin_fraction=0.5, hysteresis=1.0, nms_strength=0.0,
+                  dense_layers=1)
 
 
 def test_pinned_positions_survive_every_refresh():
@@ -147,3 +148,38 @@ def test_every_mechanism_keeps_full_budget_exact():
     assert kinds.count("fast") >= 10 and kinds.count("slow") >= 3
     for step, (a, b) in enumerate(zip(run.sfi_logits, run.full_logits)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=f"step {step}")
+
+
+def test_dense_layers_read_everything_and_count_in_the_read_fraction():
+    from test_cache import _poison_outside_memory
+
+    from sfi.hf import cache_argument
+
+    model = tiny_model("llama")  # two layers: the first dense, the second slow-fast
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(4))
+    config = SFIConfig(sink=3, recent=8, k_head=10, force_sparse=True, trigger="fixed",
+                       period=100, dense_layers=1)
+    key = cache_argument(model)
+    results = {}
+    for poison in ("none", "sparse layer", "dense layer"):
+        from sfi import SlowFastCache
+
+        cache = SlowFastCache(model, config)
+        tokens = ids
+        with torch.inference_mode():
+            for step in range(4):
+                if step == 3 and poison == "sparse layer":
+                    _poison_outside_memory(cache, layers=[1])
+                elif step == 3 and poison == "dense layer":  # neither sink nor recent there
+                    keys = cache.layers[0].keys
+                    keys[:, :, 10:60] = torch.randn_like(keys[:, :, 10:60]) * 50
+                logits = model(input_ids=tokens, use_cache=True, **{key: cache}).logits[:, -1]
+                tokens = logits.argmax(-1, keepdim=True)
+        results[poison] = logits
+        assert cache.step_kinds() == ("fast",) and cache.reads_densely(0, 0)
+    assert torch.equal(results["none"], results["sparse layer"])  # layer 1 is sparse
+    assert float((results["none"] - results["dense layer"]).abs().max()) > 1e-3  # layer 0 not
+    stats = cache.stats()
+    memory = cache.memory(0)
+    sparse = memory.read(ids.shape[1] + 3) / (ids.shape[1] + 3)
+    assert stats.fast_read_fraction > (1 + sparse) / 2 - 0.05  # half the layers read it all

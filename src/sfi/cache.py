@@ -98,7 +98,7 @@ class SlowFastCache(Cache):
     def end_forward(self, step: StepContext) -> None:
         """The planned forward ran: commit its plan and record what it did."""
         plan: StepPlan = step.plan
-        self.planner.commit(plan, step.lagged, len(self._sfi_layers()))
+        self.planner.commit(plan, step.lagged, [layer.layer_idx for layer in self._sfi_layers()])
         self._kinds = self.planner.executed_kinds(plan, step.lagged)
 
     def _start(self, batch_size: int, attention_mask: torch.Tensor | None,
@@ -174,6 +174,12 @@ class SlowFastCache(Cache):
         """Where sequence ``row``'s fast memory lies (sinks, middle, recent start, K); None
         before its first selection."""
         return self.planner.sequences[row].memory
+
+    def reads_densely(self, layer_idx: int, row: int) -> bool:
+        """Whether sequence ``row`` always attends densely at ``layer_idx`` (one of its first
+        ``dense_layers`` layers, or a layer that keeps its own sliding window)."""
+        return (not isinstance(self.layers[layer_idx], SlowFastLayer)
+                or layer_idx < self.planner.sequences[row].config.dense_layers)
 
     def selected_positions(self, layer_idx: int, row: int) -> torch.Tensor:
         """``[H, k]`` the positions selected for sequence ``row`` at layer ``layer_idx``."""

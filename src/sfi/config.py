@@ -58,7 +58,8 @@ class SFIConfig:
     0) ranked by their best token; ``pin_fraction`` of K is fixed by a sequence's first
     selection (the question's evidence) and never replaced by later refreshes; with
     ``hysteresis`` h a position selected before stays while it still ranks within the top
-    (1 + h) K.
+    (1 + h) K; the first ``dense_layers`` layers always attend densely (as Quest and
+    TidalDecode keep them: their attention is too broad to select from).
     """
 
     # --- memory of a fast step (METHOD.md section 2) ---
@@ -101,6 +102,7 @@ class SFIConfig:
     page_size: int = 1
     pin_fraction: float = 0.0
     hysteresis: float = 0.0
+    dense_layers: int = 0
 
     def __post_init__(self) -> None:
         _require_int("sink", self.sink, 0)
@@ -156,6 +158,7 @@ class SFIConfig:
         _require_int("page_size", self.page_size, 1)
         _require_float("pin_fraction", self.pin_fraction, 0.0, 1.0)
         _require_float("hysteresis", self.hysteresis, 0.0)
+        _require_int("dense_layers", self.dense_layers, 0)
 
     def budget(self, context: int) -> int:
         """K, the selected tokens per KV head for a sequence of ``context`` real tokens."""
@@ -201,6 +204,7 @@ PAPER_PRESET: dict[str, Any] = dict(
     pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
     nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
     exclusivity_min_heads=3, pool_kernel=1, page_size=1, pin_fraction=0.0, hysteresis=0.0,
+    dense_layers=0,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -268,8 +268,9 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
                       softcap: float | None) -> None:
         """First selection of the rows the plan refreshes, from the last W queries."""
         plan: StepPlan = step.plan
-        if plan.slow is not None:
-            self._select_after_prefill(step, plan.slow, query, scale, softcap)
+        slow = plan.slow
+        if slow is not None and len(plan.dense_at(self.layer_idx)) < len(slow.rows):
+            self._select_after_prefill(step, slow, query, scale, softcap)
 
     def decode(self, step: StepContext, q: torch.Tensor, scale: float,
                softcap: float | None) -> torch.Tensor:
@@ -287,6 +288,10 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
             if refresh is not None:
                 self._refresh(step, refresh, logits, query=rows.take(q))
 
+        forced = plan.dense_at(self.layer_idx)  # this layer is one of their dense ones
+        if forced and len(forced) + len(plan.dense) == len(plan.kinds):
+            dense(Rows(tuple(range(len(plan.kinds))), len(plan.kinds), q.device))
+            return out
         if plan.dense:
             dense(plan.dense)
         if plan.slow:
@@ -307,6 +312,8 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
                 if lagging:
                     dense(lagging)
                     step.record_lag(lagging.indices)
+            if forced:
+                dense(rows.intersect(Rows(forced, len(plan.kinds), q.device)))
         return out
 
     # --- the slow step's refresh -----------------------------------------------------------

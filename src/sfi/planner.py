@@ -187,6 +187,13 @@ class StepPlan:
     fast: FastRows | None
     pad_bias: torch.Tensor | None
     compact_width: int
+    dense_layers: tuple[int, ...] = ()
+
+    def dense_at(self, layer_idx: int) -> tuple[int, ...]:
+        """The slow and fast rows that read densely at ``layer_idx`` (one of their first
+        ``dense_layers`` layers)."""
+        return tuple(r for r, (d, kind) in enumerate(zip(self.dense_layers, self.kinds))
+                     if d > layer_idx and kind != DENSE)
 
 
 TriggerFactory = Callable[[SFIConfig, int], RefreshTrigger]
@@ -251,12 +258,14 @@ class Planner:
         if slow is not None:
             width = max(width, max(m.sink + m.k for m in slow.memories))
         fast = self._plan_fast(fast_rows, total, width, device)
-        reads_densely = bool(dense_rows or slow_rows) or (may_lag and bool(fast_rows))
+        reads_densely = bool(dense_rows or slow_rows) or (
+            bool(fast_rows) and (may_lag or any(s.config.dense_layers for s in self.sequences)))
         return StepPlan(query_length=query_length, total_length=total, decode=decode,
                         kinds=tuple(kinds), reasons=tuple(reasons), tokens=tuple(tokens),
                         dense=self._rows(dense_rows, device), slow=slow, fast=fast,
                         pad_bias=self.pad_bias(total, device) if reads_densely else None,
-                        compact_width=width)
+                        compact_width=width,
+                        dense_layers=tuple(s.config.dense_layers for s in self.sequences))
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:
         return Rows(tuple(indices), len(self.sequences), device)
@@ -336,9 +345,10 @@ class Planner:
         return additive_bias(allowed)[:, None, None, :]
 
     # --- after the step ---------------------------------------------------------------------
-    def commit(self, plan: StepPlan, lagged: dict[int, int], layers: int) -> None:
-        """Apply ``plan`` once its forward has run. ``lagged[row]`` counts the layers (of
-        ``layers``) at which a fast row read densely because its rebuild was not ready."""
+    def commit(self, plan: StepPlan, lagged: dict[int, int], layers: Sequence[int]) -> None:
+        """Apply ``plan`` once its forward has run. ``layers`` are the model indices of the
+        slow-fast layers; ``lagged[row]`` counts those at which a fast row read densely because
+        its rebuild was not ready."""
         slow_memories = dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow \
             else {}
         for row, (seq, kind) in enumerate(zip(self.sequences, plan.kinds)):
@@ -359,13 +369,15 @@ class Planner:
                 seq.stats.dense_steps += 1
             elif kind == SLOW:
                 seq.stats.slow_steps += 1
-            elif row in lagged:
-                dense_layers = lagged[row]
-                sparse = seq.memory.read(plan.total_length) / context
-                seq.stats.record_lagged_step((dense_layers + (layers - dense_layers) * sparse)
-                                             / layers)
             else:
-                seq.stats.record_fast_step(seq.memory.read(plan.total_length) / context)
+                dense = sum(i < seq.config.dense_layers for i in layers) + lagged.get(row, 0)
+                read = seq.memory.read(plan.total_length) / context
+                if dense:
+                    read = (dense + (len(layers) - dense) * read) / len(layers)
+                if row in lagged:
+                    seq.stats.record_lagged_step(read)
+                else:
+                    seq.stats.record_fast_step(read)
         self.compact_width = plan.compact_width
 
     def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:

@@ -121,6 +121,8 @@ def _memory_mask(cache: SlowFastCache, layer: int, length: int) -> torch.Tensor:
     """``[H, T]`` bool: what sequence 0's fast memory reads at ``layer`` for a cache of
     ``length`` positions."""
     memory = cache.memory(0)
+    if cache.reads_densely(layer, 0):
+        return torch.ones(cache.layers[layer].keys.shape[1], length, dtype=torch.bool)
     chosen = cache.selected_positions(layer, 0)
     mask = torch.zeros(chosen.shape[0], length, dtype=torch.bool)
     mask[:, memory.pad: memory.sink_end] = True
