@@ -116,8 +116,10 @@ def test_pinned_positions_survive_every_refresh():
     config = SFIConfig(sink=2, recent=8, k_head=32, force_sparse=True, trigger="fixed", period=2,
                        **MECHANISMS)
     run = lockstep(model, ids, config, steps=1)
-    pinned = [run.cache.selected_positions(layer, 0)[:, :16].clone()
-              for layer in range(len(run.cache.layers))]
+    sparse = [layer for layer in range(len(run.cache.layers))
+              if not run.cache.reads_densely(layer, 0)]
+    assert sparse == [1]  # the first layer is dense
+    pinned = {layer: run.cache.selected_positions(layer, 0)[:, :16].clone() for layer in sparse}
     assert run.cache.memory(0).pinned == 16
     # keep decoding: the cache refreshes every other step from one query's evidence
     from sfi.hf import cache_argument
@@ -132,7 +134,7 @@ def test_pinned_positions_survive_every_refresh():
             refreshes += run.cache.step_kinds() == ("slow",)
             token, position = out.logits[:, -1:].argmax(-1), position + 1
     assert refreshes >= 5
-    for layer, before in enumerate(pinned):
+    for layer, before in pinned.items():
         now = run.cache.selected_positions(layer, 0)
         assert torch.equal(now[:, :16], before)  # still held, in the same (pinned) slots
         assert now.shape[-1] == 32
