@@ -185,3 +185,69 @@ def test_dense_layers_read_everything_and_count_in_the_read_fraction():
     memory = cache.memory(0)
     sparse = memory.read(ids.shape[1] + 3) / (ids.shape[1] + 3)
     assert stats.fast_read_fraction > (1 + sparse) / 2 - 0.05  # half the layers read it all
+
+
+def test_page_summaries_follow_the_cache_as_it_grows():
+    from sfi.scorers.quest import page_bounds
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(5))
+    run = lockstep(model, ids, SFIConfig(sink=2, recent=4, k_head=8, force_sparse=True,
+                                         trigger="fixed", period=3), steps=1)
+    layer = run.cache.layers[1]
+    first = [t.clone() for t in layer.page_summaries(8)]
+    from sfi.hf import cache_argument
+
+    token = run.full_logits[-1].argmax(-1, keepdim=True)
+    with torch.inference_mode():
+        for position in range(39, 52):  # crosses page boundaries
+            model(input_ids=token, position_ids=torch.tensor([[position]]), use_cache=True,
+                  **{cache_argument(model): run.cache})
+            low, high = layer.page_summaries(8)
+            want_low, want_high = page_bounds(layer.keys, 8)
+            assert torch.equal(low, want_low) and torch.equal(high, want_high)
+    assert first[0].shape[2] == 5 and low.shape[2] == 7
+
+
+def test_a_memory_missing_the_best_bounded_page_is_flagged():
+    from sfi.coverage import missing_rows, probe_layers
+
+    g = torch.Generator().manual_seed(9)
+    n, h, gq, d, page, pages = 2, 2, 3, 8, 4, 10
+    keys = torch.randn(n, h, pages * page, d, generator=g)
+    query = torch.randn(n, h, gq, d, generator=g)
+    from sfi.scorers.quest import page_bounds, page_scores
+
+    low, high = page_bounds(keys, page)
+    best = page_scores(query, low, high)  # [n, H, P]
+    lo, hi = torch.tensor([4, 4]), torch.tensor([36, 36])  # pages 1..8 are the middle
+    top_page = best[..., 1:9].argmax(-1) + 1  # [n, H]
+    # row 0 holds each head's best page; row 1 holds everything but head 0's best page
+    memory = torch.zeros(n, h, 8, dtype=torch.long)
+    for head in range(h):
+        memory[0, head, 0] = top_page[0, head] * page
+        others = [p for p in range(1, 9) if p != top_page[1, 0]] if head == 0 else range(1, 9)
+        for slot, p in enumerate(list(others)[:8]):
+            memory[1, head, slot] = p * page + 1
+    held = torch.zeros(n, 8, dtype=torch.bool)
+    held[0, 0] = True
+    held[1, :] = True
+    missed = missing_rows(query, low, high, memory, held, lo, hi, page, top=1)
+    assert missed.tolist() == [False, True]
+    assert probe_layers(2, list(range(24)), dense_layers=2) == (7, 18)
+    assert probe_layers(3, [0, 1], dense_layers=0) == (0, 1)
+
+
+def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))
+    small = SFIConfig(sink=2, recent=4, k_head=8, force_sparse=True, trigger="bootstrap",
+                      page_size=4, coverage_layers=1, coverage_gap=2)
+    run = lockstep(model, ids, small, steps=16)
+    reasons = run.cache.stats().refresh_reasons
+    assert reasons["coverage"] >= 1 and reasons["sentence"] == 0
+    assert run.cache.stats().slow_steps == reasons["coverage"]  # every later refresh is one
+    full = lockstep(model, ids, SFIConfig(sink=2, recent=4, k_head=4096, force_sparse=True,
+                                          trigger="bootstrap", coverage_layers=2), steps=8)
+    for a, b in zip(full.sfi_logits, full.full_logits):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

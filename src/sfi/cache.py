@@ -74,11 +74,13 @@ class SlowFastCache(Cache):
 
         self._trigger_factory = trigger_factory
         self.dense_only = dense_only
-        self.planner = Planner()
+        self._layer_ids: tuple[int, ...] = ()
         self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._kinds: tuple[str, ...] = ()
         capacity = int(max_cache_len) if max_cache_len else 256
         super().__init__(layers=_build_layers(model, capacity))
+        self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
+        self.planner = Planner(self._layer_ids)
 
     # --- the routing hook's interface ----------------------------------------------------------
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -98,7 +100,7 @@ class SlowFastCache(Cache):
     def end_forward(self, step: StepContext) -> None:
         """The planned forward ran: commit its plan and record what it did."""
         plan: StepPlan = step.plan
-        self.planner.commit(plan, step.lagged, [layer.layer_idx for layer in self._sfi_layers()])
+        self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
         self._kinds = self.planner.executed_kinds(plan, step.lagged)
 
     def _start(self, batch_size: int, attention_mask: torch.Tensor | None,
@@ -235,7 +237,7 @@ class SlowFastCache(Cache):
     # --- lifetime --------------------------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.planner = Planner()
+        self.planner = Planner(self._layer_ids)
         self._kinds = ()
 
     def close(self) -> None:

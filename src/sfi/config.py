@@ -59,7 +59,11 @@ class SFIConfig:
     selection (the question's evidence) and never replaced by later refreshes; with
     ``hysteresis`` h a position selected before stays while it still ranks within the top
     (1 + h) K; the first ``dense_layers`` layers always attend densely (as Quest and
-    TidalDecode keep them: their attention is too broad to select from).
+    TidalDecode keep them: their attention is too broad to select from). With
+    ``coverage_layers`` n > 0, n probe layers check at every fast step whether the query bounds
+    one of the ``coverage_top`` best pages (per-page min/max keys, as Quest) outside the fast
+    memory; if so the next step refreshes (reason ``coverage``), at most every
+    ``coverage_gap`` steps (``sfi.coverage``).
     """
 
     # --- memory of a fast step (METHOD.md section 2) ---
@@ -103,6 +107,9 @@ class SFIConfig:
     pin_fraction: float = 0.0
     hysteresis: float = 0.0
     dense_layers: int = 0
+    coverage_layers: int = 0
+    coverage_top: int = 1
+    coverage_gap: int = 4
 
     def __post_init__(self) -> None:
         _require_int("sink", self.sink, 0)
@@ -159,6 +166,9 @@ class SFIConfig:
         _require_float("pin_fraction", self.pin_fraction, 0.0, 1.0)
         _require_float("hysteresis", self.hysteresis, 0.0)
         _require_int("dense_layers", self.dense_layers, 0)
+        _require_int("coverage_layers", self.coverage_layers, 0)
+        _require_int("coverage_top", self.coverage_top, 1)
+        _require_int("coverage_gap", self.coverage_gap, 1)
 
     def budget(self, context: int) -> int:
         """K, the selected tokens per KV head for a sequence of ``context`` real tokens."""
@@ -204,7 +214,7 @@ PAPER_PRESET: dict[str, Any] = dict(
     pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
     nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
     exclusivity_min_heads=3, pool_kernel=1, page_size=1, pin_fraction=0.0, hysteresis=0.0,
-    dense_layers=0,
+    dense_layers=0, coverage_layers=0,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {

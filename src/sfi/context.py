@@ -25,12 +25,15 @@ class StepContext:
         rebuilder: where slow steps' selections are computed (inline, or a CUDA side stream).
         lagged: per row, how many layers read densely although the row was planned fast (its
             rebuild was not ready); filled in by the layers while the step runs.
+        missed: rows whose fast memory a probe layer found missing a page the query bounds
+            highly (``sfi.coverage``): they refresh at their next step.
     """
 
     layers: Sequence[Any]
     plan: Any = None
     rebuilder: Any = None
     lagged: dict[int, int] = field(default_factory=dict)
+    missed: set[int] = field(default_factory=set)
 
     def layer(self, layer_idx: int) -> Any:
         """The layer of the cache that serves ``layer_idx``, or None."""

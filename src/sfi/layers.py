@@ -27,12 +27,14 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sfi.attention import AttendingLayer
 from sfi.context import StepContext, current_step
+from sfi.coverage import missing_rows
 from sfi.errors import SFIError
 from sfi.kernels import dense_attention, fast_attention, window_logits
 from sfi.overlap import StagedCompact
 from sfi.planner import SlowRows, StepPlan
 from sfi.rows import Rows
 from sfi.scorers import Evidence
+from sfi.scorers.quest import page_bounds
 from sfi.selector import compact_slots, hysteresis_keep, selection_order
 
 
@@ -61,6 +63,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         self.compact_values: torch.Tensor | None = None
         self.compact_positions: torch.Tensor | None = None
         self.pending: StagedCompact | None = None
+        self._pages: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # page summaries
 
     # --- the CacheLayerMixin interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -113,6 +116,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         self.length = 0
         self.compact_keys = self.compact_values = self.compact_positions = None
         self.pending = None
+        self._pages = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise SFIError("SlowFastCache cannot be cropped (assisted or speculative decoding is not "
@@ -154,6 +158,25 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
     @property
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[-2]
+
+    def page_summaries(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(low, high)`` ``[B, H, P, D]``: the element-wise min and max key of every page of
+        ``page`` positions (aligned at 0; the last may be partial). Kept up to date
+        incrementally: each call summarises only the positions appended since the last."""
+        t = self.length
+        pages = -(-t // page)
+        if self._pages is None or self._pages[0] != page or self._pages[2].shape[2] < pages:
+            b, h, _, d = self._keys.shape
+            room = max(pages, self.capacity // page + 1)
+            low = self._keys.new_full((b, h, room, d), float("inf"), dtype=torch.float32)
+            self._pages = (page, 0, low, torch.full_like(low, float("-inf")))
+        _, done, low, high = self._pages
+        first = done // page  # the page that was partial last time, and those after it
+        new_low, new_high = page_bounds(self._keys[:, :, first * page: t], page)
+        low[:, :, first:pages] = new_low
+        high[:, :, first:pages] = new_high
+        self._pages = (page, t, low, high)
+        return low[:, :, :pages], high[:, :, :pages]
 
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self._keys.shape[-2])
@@ -246,10 +269,12 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
             buffers.append(torch.cat(stacked))
         self.compact_keys, self.compact_values, self.compact_positions = buffers
         self.length = length
+        self._pages = None  # positions moved: summarise again when asked
 
     def keep(self, index: torch.Tensor, trim: int) -> None:
         """Keep the sequences ``index`` and drop the first ``trim`` positions (padding)."""
         self.settle(wait=True)
+        self._pages = None
         for name in ("_keys", "_values", "_norms", "compact_keys", "compact_values",
                      "compact_positions"):
             tensor = getattr(self, name)
@@ -314,7 +339,27 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
                     step.record_lag(lagging.indices)
             if forced:
                 dense(rows.intersect(Rows(forced, len(plan.kinds), q.device)))
+            for page, top, probed in plan.probes_at(self.layer_idx):
+                self._probe_coverage(step, plan, Rows(probed, len(plan.kinds), q.device), q,
+                                     page, top)
         return out
+
+    def _probe_coverage(self, step: StepContext, plan: StepPlan, rows: Rows, q: torch.Tensor,
+                        page: int, top: int) -> None:
+        """Flag the ``rows`` whose fast memory misses a page this query bounds highly
+        (``sfi.coverage``); they refresh at their next step."""
+        low, high = self.page_summaries(page)
+        memories = [plan.memories[r] for r in rows.indices]
+        slot = torch.arange(plan.compact_width, device=q.device)[None, :]
+        sink = torch.tensor([m.sink for m in memories], device=q.device)[:, None]
+        k = torch.tensor([m.k for m in memories], device=q.device)[:, None]
+        missed = missing_rows(
+            rows.take(q).float(), rows.take(low), rows.take(high),
+            rows.take(self.compact_positions[:, :, : plan.compact_width]),
+            (slot >= sink) & (slot < sink + k),
+            torch.tensor([m.sink_end for m in memories], device=q.device),
+            torch.tensor([m.recent_start for m in memories], device=q.device), page, top)
+        step.missed.update(r for r, miss in zip(rows.indices, missed.tolist()) if miss)
 
     # --- the slow step's refresh -----------------------------------------------------------
     def _select_after_prefill(self, step: StepContext, slow: SlowRows, query: torch.Tensor,

@@ -15,17 +15,18 @@ C compact slots (sink + selected) per KV head.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from sfi.config import SFIConfig
+from sfi.coverage import DEFAULT_PAGE, probe_layers
 from sfi.kernels import additive_bias, causal_mask
 from sfi.rows import Rows
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
-from sfi.triggers import BOOTSTRAP, RefreshTrigger
+from sfi.triggers import BOOTSTRAP, COVERAGE, RefreshTrigger
 
 DENSE, SLOW, FAST, LAGGED = "dense", "slow", "fast", "lagged"
 STEP_KINDS: tuple[str, ...] = (DENSE, SLOW, FAST, LAGGED)
@@ -92,6 +93,7 @@ class SequenceState:
     stats: DecodeStats = field(default_factory=DecodeStats)
     steps_since_refresh: int = 0
     memory: Memory | None = None
+    coverage_miss: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,13 @@ class StepPlan:
     pad_bias: torch.Tensor | None
     compact_width: int
     dense_layers: tuple[int, ...] = ()
+    memories: tuple[Memory | None, ...] = ()
+    probes: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
+
+    def probes_at(self, layer_idx: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """``(page, top, rows)``: the fast rows whose coverage this layer probes, by page size
+        and number of top pages checked."""
+        return [(page, top, rows) for layer, page, top, rows in self.probes if layer == layer_idx]
 
     def dense_at(self, layer_idx: int) -> tuple[int, ...]:
         """The slow and fast rows that read densely at ``layer_idx`` (one of their first
@@ -206,9 +215,10 @@ class Planner:
     ``compact_width`` (C) only grows: it is the widest sink + K any refresh has needed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, layer_ids: Sequence[int] = ()) -> None:
         self.sequences: list[SequenceState] = []
         self.compact_width = 0
+        self.layer_ids = tuple(layer_ids)
 
     def start(self, pads: Sequence[int], config: SFIConfig, trigger: TriggerFactory,
               scorer: Scorer, dense_only: bool) -> None:
@@ -246,6 +256,9 @@ class Planner:
                     kind, reason = SLOW, BOOTSTRAP
                 elif fired is not None:
                     kind, reason = SLOW, fired
+                elif seq.coverage_miss and \
+                        seq.steps_since_refresh + 1 >= seq.config.coverage_gap:
+                    kind, reason = SLOW, COVERAGE
                 else:
                     kind = FAST
             kinds.append(kind)
@@ -265,7 +278,20 @@ class Planner:
                         dense=self._rows(dense_rows, device), slow=slow, fast=fast,
                         pad_bias=self.pad_bias(total, device) if reads_densely else None,
                         compact_width=width,
-                        dense_layers=tuple(s.config.dense_layers for s in self.sequences))
+                        dense_layers=tuple(s.config.dense_layers for s in self.sequences),
+                        memories=tuple(s.memory for s in self.sequences),
+                        probes=self._probes(fast_rows))
+
+    def _probes(self, fast_rows: list[int]) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
+        """``(layer, page, top, rows)``: which fast rows each probe layer checks, and how."""
+        probes: dict[tuple[int, int, int], list[int]] = {}
+        for row in fast_rows:
+            c = self.sequences[row].config
+            if c.coverage_layers:
+                page = c.page_size if c.page_size > 1 else DEFAULT_PAGE
+                for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
+                    probes.setdefault((layer, page, c.coverage_top), []).append(row)
+        return tuple((*key, tuple(rows)) for key, rows in probes.items())
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:
         return Rows(tuple(indices), len(self.sequences), device)
@@ -345,10 +371,11 @@ class Planner:
         return additive_bias(allowed)[:, None, None, :]
 
     # --- after the step ---------------------------------------------------------------------
-    def commit(self, plan: StepPlan, lagged: dict[int, int], layers: Sequence[int]) -> None:
+    def commit(self, plan: StepPlan, lagged: dict[int, int], layers: Sequence[int],
+               missed: Collection[int] = ()) -> None:
         """Apply ``plan`` once its forward has run. ``layers`` are the model indices of the
         slow-fast layers; ``lagged[row]`` counts those at which a fast row read densely because
-        its rebuild was not ready."""
+        its rebuild was not ready; ``missed`` rows' memories lack a page a probe wanted."""
         slow_memories = dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow \
             else {}
         for row, (seq, kind) in enumerate(zip(self.sequences, plan.kinds)):
@@ -362,6 +389,9 @@ class Planner:
                 seq.memory = slow_memories[row]
                 seq.steps_since_refresh = 0
                 seq.stats.refresh_reasons[plan.reasons[row]] += 1
+                seq.coverage_miss = False
+            elif row in missed:
+                seq.coverage_miss = True
             if not plan.decode:
                 continue
             context = plan.total_length - seq.pad

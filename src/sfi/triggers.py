@@ -25,7 +25,8 @@ BOOTSTRAP = "bootstrap"
 SENTENCE = "sentence"
 INTERVAL = "interval"
 PERIOD = "period"
-REFRESH_REASONS: tuple[str, ...] = (BOOTSTRAP, SENTENCE, INTERVAL, PERIOD)
+COVERAGE = "coverage"  # the fast memory missed a page the query bounds highly (sfi.coverage)
+REFRESH_REASONS: tuple[str, ...] = (BOOTSTRAP, SENTENCE, INTERVAL, PERIOD, COVERAGE)
 
 
 @dataclass(frozen=True)

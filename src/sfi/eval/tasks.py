@@ -40,6 +40,7 @@ class Sample:
         text: the prompt as text (for inspection and tests).
         continuation: for ``fidelity``, how many of ``prompt_ids`` are the real continuation.
         target: the context length that was asked for (the prompt comes within a few tokens).
+        question: what the prompt asks (after the haystack).
     """
 
     task: str
@@ -51,6 +52,7 @@ class Sample:
     text: str = ""
     continuation: int = 0
     target: int = 0
+    question: str = ""
 
     @property
     def context(self) -> int:
@@ -299,4 +301,4 @@ def make_sample(task: str, tokenizer: Any, context: int, seed: int,
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         hay += context - len(ids)
     return Sample(task, ids, spec.answers, spec.max_new_tokens, depths, spec.needles, text,
-                  target=context)
+                  target=context, question=spec.question)
