@@ -365,8 +365,10 @@ def diagnose_cmd(
     stages = [s for s in order if s in seen]
     _print_table(f"answer tokens held by each stage's top-K (share of layer x KV head), "
                  f"budget {budget:g}",
-                 ["method", "output", "score", *stages, "captured mean", "captured min"],
-                 ([m.method, repr(m.output), m.score,
+                 ["method", "output", "score", "read", "slow", *stages, "captured mean",
+                  "captured min"],
+                 ([m.method, repr(m.output), m.score, f"{100 * m.retention:.1f}%",
+                   m.stats.get("slow_steps"),
                    *(f"{m.token_coverage[s]:.0%}" if s in m.token_coverage else "-"
                      for s in stages),
                    f"{sum(m.captured) / max(1, len(m.captured)):.3f}",

@@ -81,6 +81,8 @@ class MethodDiagnosis:
     captured: list[float] = field(default_factory=list)
     captured_min: list[float] = field(default_factory=list)
     layer_coverage: list[float] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    retention: float = 1.0
 
 
 @dataclass
@@ -154,7 +156,9 @@ def diagnose(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
         tokens = greedy_continue(model, cache, shared, ids, sample.max_new_tokens, eos)
         output = tokenizer.decode(tokens, skip_special_tokens=True)
         diagnosis = MethodDiagnosis(name, output, score(sample.task, output, sample.answers),
-                                    k=budget_tokens(budget, sample.context))
+                                    k=budget_tokens(budget, sample.context),
+                                    stats=cache.stats().to_dict(),
+                                    retention=round(cache.read_fraction()[0], 4))
         diagnosis.coverage, diagnosis.token_coverage, diagnosis.layer_coverage = \
             _stage_coverage(model, tokenizer, method, budget, sample, shared, ids, spans)
         diagnosis.captured, diagnosis.captured_min = _captured_mass(
