@@ -24,8 +24,6 @@ from sfi.eviction import POLICIES, EvictionCache, make_policy
 from sfi.scorers import Scorer
 from sfi.scorers.registry import make_scorer
 
-SFI_RECENT = 256  # METHOD.md's R, shortened to C / 2 when the budget is smaller
-
 
 def budget_tokens(budget: float, context: int) -> int:
     """C for a context of ``context`` tokens: ``budget`` x context when ``budget <= 1``,
@@ -40,10 +38,10 @@ def budget_tokens(budget: float, context: int) -> int:
 
 
 def sfi_config_for(capacity: int, base: SFIConfig | None = None) -> SFIConfig:
-    """SFI's knobs for a budget of ``capacity`` tokens per KV head: S = 4 sinks, R = min(256,
-    C / 2) recent, K = C - S - R selected (K = 0 when C leaves no room)."""
+    """SFI's knobs for a budget of ``capacity`` tokens per KV head: the base's S sinks,
+    R = min(base R, C / 2) recent, K = C - S - R selected (K = 0 when C leaves no room)."""
     base = base or SFIConfig()
-    recent = max(1, min(SFI_RECENT, capacity // 2))
+    recent = max(1, min(base.recent, capacity // 2))
     k = max(0, capacity - base.sink - recent)
     return replace(base, recent=recent, k_head=k, k_fraction=None)
 
