@@ -1,9 +1,11 @@
 """Golden outputs: sfi.generate, sfi eval rows, the server engine and the paper Selector give
 what they gave when the goldens were recorded (``tests/goldens/record.py``).
 
-Tokens, texts, finish reasons and step counts must match exactly; floats (retention, KL) to
-1e-5, so that a different BLAS build cannot fail the suite on a last-digit difference while
-any behavioural change still does.
+Tokens, texts, finish reasons and step counts must match exactly; floats (retention, KL,
+perplexity) to 1e-3 (relative, or absolute for the per-step KL values near 0): a different
+thread count or BLAS build moves a mean KL in its
+fourth digit (seen: 0.032955 with two threads, 0.032944 with one), while a behavioural change
+moves tokens.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ GOLDENS = Path(__file__).parent / "goldens"
 
 def assert_same(actual, expected, where: str = "") -> None:
     if isinstance(expected, float) or isinstance(actual, float):
-        assert isinstance(actual, int | float) and math.isclose(actual, expected, rel_tol=1e-5,
-                                                                abs_tol=1e-5), where
+        assert isinstance(actual, int | float) and math.isclose(actual, expected, rel_tol=1e-3,
+                                                                abs_tol=1e-3), where
     elif isinstance(expected, dict):
         assert isinstance(actual, dict) and set(actual) == set(expected), \
             f"{where}: keys {sorted(set(actual) ^ set(expected))}"

@@ -251,3 +251,22 @@ def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():
                                           trigger="bootstrap", coverage_layers=2), steps=8)
     for a, b in zip(full.sfi_logits, full.full_logits):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_the_page_bound_is_its_definition_and_bounds_every_logit():
+    from sfi.scorers.quest import page_bounds, page_scores
+
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        t = int(torch.randint(20, 90, (1,), generator=g))
+        keys = torch.randn(2, 3, t, 16, generator=g) * 3
+        query = torch.randn(2, 3, 4, 16, generator=g)
+        low, high = page_bounds(keys, 8)
+        direct = torch.maximum(query[:, :, :, None] * low[:, :, None],
+                               query[:, :, :, None] * high[:, :, None]).sum(-1)  # [B,H,G,P]
+        torch.testing.assert_close(page_scores(query, low, high), direct.sum(2), atol=1e-4,
+                                   rtol=1e-5)
+        logits = torch.matmul(query, keys.transpose(-1, -2))  # [B, H, G, T]
+        pages = torch.arange(t) // 8
+        for p in range(low.shape[2]):
+            assert bool((logits[..., pages == p].amax(-1) <= direct[..., p] + 1e-4).all())

@@ -31,10 +31,15 @@ def page_bounds(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tens
 
 def page_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """``query [B, H, G, D]`` and page bounds ``[B, H, P, D]`` -> ``[B, H, P]``, the upper bound
-    of q.k in each page summed over the G query heads."""
-    q = query.float()[:, :, :, None, :]  # [B, H, G, 1, D]
-    bound = torch.maximum(q * low[:, :, None], q * high[:, :, None]).sum(dim=-1)  # [B, H, G, P]
-    return bound.sum(dim=2)
+    of q.k in each page summed over the G query heads.
+
+    ``max(q m, q M) = q (m + M) / 2 + |q| (M - m) / 2`` per channel, so the sum over the G
+    heads is two matrix-vector products per page (no [G, P, D] intermediate)."""
+    q = query.float()
+    centre, radius = (high + low) / 2, (high - low) / 2  # [B, H, P, D]
+    summed, spread = q.sum(dim=2), q.abs().sum(dim=2)  # [B, H, D]
+    return (torch.matmul(centre, summed[..., None]) + torch.matmul(radius, spread[..., None])
+            ).squeeze(-1)
 
 
 @dataclass(frozen=True)
