@@ -199,3 +199,38 @@ def test_bootstrap_intervals_cover_the_mean_and_pair_with_full():
     assert sfi_entry["delta_full_ci"][1] < 0  # it loses on the same samples, surely
     assert entries["full"]["average_ci"] == [100.0, 100.0] and "delta_full" not in entries["full"]
     assert bootstrap_interval({"passkey": {0: 50.0}}) is None  # one sample: no interval
+
+
+@pytest.mark.model
+def test_diagnose_reports_coverage_by_stage_and_captured_mass(default_model):
+    from sfi.eval.diagnose import answer_positions, diagnose
+
+    model, tok = default_model
+    sample = make_sample("passkey", tok, 900, seed=0)
+    spans = answer_positions(tok, sample)
+    answer = sample.answers[0]
+    assert answer in tok.decode([sample.prompt_ids[i] for i in spans[answer]])
+    result = diagnose(model, tok, sample, 0, ["sfi:paper", "sfi:paper[page_size=16]"], 0.3)
+    paper, _ = result.methods
+    assert list(paper.token_coverage) == ["evidence", "fused", "nms", "exclusive", "selected"]
+    for m in result.methods:
+        assert all(0.0 <= v <= 1.0 for v in m.token_coverage.values())
+        assert len(m.captured) == len(m.captured_min) > 0
+        assert all(0.0 <= low <= mean <= 1.0 for low, mean in zip(m.captured_min, m.captured))
+        assert m.stats["slow_steps"] >= 0 and 0.0 < m.retention <= 1.0
+    # a budget covering the context holds every answer token at every stage
+    whole = diagnose(model, tok, sample, 0, ["sfi:paper[recent=64,force_sparse=true]"],
+                     2000).methods[0]
+    assert whole.token_coverage["selected"] == 1.0 and min(whole.captured_min) > 0.999
+
+
+@pytest.mark.model
+def test_demo_answers_from_the_document_both_ways(default_model):
+    from sfi.demo import run_demo
+
+    model, tok = default_model
+    result = run_demo(model, tok, context=1500, seed=0, max_new_tokens=12)
+    assert result.fact in result.sample.text and result.question in result.sample.text
+    assert result.full.mode == "full" and result.sfi.mode == "sfi"
+    assert result.correct(result.full)  # this seed's fact is found by full attention
+    assert 0.0 < result.sfi.stats.read_fraction < 1.0

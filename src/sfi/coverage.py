@@ -7,7 +7,8 @@ paper's triggers do not see it. Here a few probe layers check at every fast step
 For each page of P positions (aligned at 0) the element-wise min and max of its keys bound every
 ``q . k`` inside it: ``sum_d max(q_d min_d, q_d max_d)`` (Quest). A probe ranks the pages of the
 middle region by that bound, summed over the G query heads of each KV head; when one of the
-``top`` best pages of some KV head holds none of the memory's positions, the memory is likely
+``top`` best pages (wholly inside the middle region) of some KV head holds none of the
+memory's positions, the memory is likely
 missing attention mass the query wants, and the row refreshes at its next step. A probe reads
 the page summaries, O(T / P) per layer, where a dense step reads O(T) on every layer.
 
@@ -50,7 +51,9 @@ def missing_rows(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
     n, h, pages = low.shape[0], low.shape[1], low.shape[2]
     scores = page_scores(query, low, high)  # [n, H, P]
     starts = torch.arange(pages, device=low.device) * page
-    middle = (starts[None, :] < hi[:, None]) & (starts[None, :] + page > lo[:, None])  # [n, P]
+    # pages wholly inside the middle region: one that reaches into the sinks or the recent
+    # window is (partly) read anyway
+    middle = (starts[None, :] >= lo[:, None]) & (starts[None, :] + page <= hi[:, None])  # [n, P]
     scores = scores.masked_fill(~middle[:, None, :], float("-inf"))
     in_memory = torch.zeros(n, h, pages + 1, dtype=torch.bool, device=low.device)
     slot_pages = torch.where(held[:, None, :], memory // page, pages).clamp(max=pages)

@@ -123,7 +123,7 @@ def _memory_mask(cache: SlowFastCache, layer: int, length: int) -> torch.Tensor:
     """``[H, T]`` bool: what sequence 0's fast memory reads at ``layer`` for a cache of
     ``length`` positions."""
     memory = cache.memory(0)
-    if cache.reads_densely(layer, 0):
+    if memory is None or cache.reads_densely(layer, 0):
         return torch.ones(cache.layers[layer].keys.shape[1], length, dtype=torch.bool)
     chosen = cache.selected_positions(layer, 0)
     mask = torch.zeros(chosen.shape[0], length, dtype=torch.bool)
@@ -176,6 +176,8 @@ def _stage_coverage(model, tokenizer, method, budget, sample, shared, ids, spans
     shared.load(cache)
     prefill(model, cache, ids[:, shared.length:], start=shared.length)
     memory = cache.memory(0)
+    if memory is None:  # the context is too short for a selection: every step is dense
+        return {"selected": dict.fromkeys(spans, 1.0)}, {"selected": 1.0}, []
     k = torch.tensor([memory.k])
     layers = sorted(recorder.first)
     coverage, token_coverage = {}, {}
