@@ -209,31 +209,37 @@ def test_page_summaries_follow_the_cache_as_it_grows():
     assert first[0].shape[2] == 5 and low.shape[2] == 7
 
 
-def test_a_memory_missing_the_best_bounded_page_is_flagged():
+def test_a_memory_missing_a_heavy_page_is_flagged():
     from sfi.coverage import missing_rows, probe_layers
+    from sfi.scorers.quest import page_bounds
 
     g = torch.Generator().manual_seed(9)
     n, h, gq, d, page, pages = 2, 2, 3, 8, 4, 10
-    keys = torch.randn(n, h, pages * page, d, generator=g)
+    keys = torch.randn(n, h, pages * page, d, generator=g) * 0.1
     query = torch.randn(n, h, gq, d, generator=g)
-    from sfi.scorers.quest import page_bounds, page_scores
-
+    keys[:, 0, 21] = query[:, 0].sum(1) * 3  # a key the query wants, in page 5
     low, high = page_bounds(keys, page)
-    best = page_scores(query, low, high)  # [n, H, P]
     lo, hi = torch.tensor([4, 4]), torch.tensor([36, 36])  # pages 1..8 are the middle
-    top_page = best[..., 1:9].argmax(-1) + 1  # [n, H]
-    # row 0 holds each head's best page; row 1 holds everything but head 0's best page
-    memory = torch.zeros(n, h, 8, dtype=torch.long)
-    for head in range(h):
-        memory[0, head, 0] = top_page[0, head] * page
-        others = [p for p in range(1, 9) if p != top_page[1, 0]] if head == 0 else range(1, 9)
-        for slot, p in enumerate(list(others)[:8]):
-            memory[1, head, slot] = p * page + 1
-    held = torch.zeros(n, 8, dtype=torch.bool)
-    held[0, 0] = True
-    held[1, :] = True
-    missed = missing_rows(query, low, high, memory, held, lo, hi, page, top=1)
+    # row 0 holds page 5 (and 1..3) at both heads; row 1 holds pages 1..3 only
+    memory = torch.tensor([[5 * page, page, 2 * page, 3 * page]]).repeat(n, h, 1)
+    memory[1, :, 0] = 3 * page + 1
+    held = torch.ones(n, 4, dtype=torch.bool)
+    scale = d ** -0.5
+    logits = torch.matmul(query, keys.transpose(-1, -2)) * scale  # [n, H, G, T]
+    in_memory = torch.zeros(n, h, pages * page, dtype=torch.bool)
+    for row in range(n):
+        for head in range(h):
+            for start in memory[row, head].tolist():
+                in_memory[row, head, (start // page) * page: (start // page + 1) * page] = True
+    in_memory[..., 36:] = True  # the recent window
+    lse = torch.logsumexp(logits.masked_fill(~in_memory[:, :, None], float("-inf")), dim=-1)
+    missed = missing_rows(query, keys, torch.arange(n), low, high, memory, held, lo, hi, lse,
+                          page=page, top=2, threshold=0.3, scale=scale)
     assert missed.tolist() == [False, True]
+    # with a threshold above what the heavy page takes, nothing is flagged
+    relaxed = missing_rows(query, keys, torch.arange(n), low, high, memory, held, lo, hi, lse,
+                           page=page, top=2, threshold=0.9999, scale=scale)
+    assert relaxed.tolist() == [False, False]
     assert probe_layers(2, list(range(24)), dense_layers=2) == (7, 18)
     assert probe_layers(3, [0, 1], dense_layers=0) == (0, 1)
 

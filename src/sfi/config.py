@@ -60,10 +60,11 @@ class SFIConfig:
     ``hysteresis`` h a position selected before stays while it still ranks within the top
     (1 + h) K; the first ``dense_layers`` layers always attend densely (as Quest and
     TidalDecode keep them: their attention is too broad to select from). With
-    ``coverage_layers`` n > 0, n probe layers check at every fast step whether the query bounds
-    one of the ``coverage_top`` best pages (per-page min/max keys, as Quest) outside the fast
-    memory; if so the next step refreshes (reason ``coverage``), at most every
-    ``coverage_gap`` steps (``sfi.coverage``).
+    ``coverage_layers`` n > 0, n probe layers check at every fast step the ``coverage_top``
+    pages outside the fast memory that the query bounds highest (per-page min/max keys, as
+    Quest): when they would take more than ``coverage_threshold`` of the attention, the next
+    step refreshes (reason ``coverage``), at most every ``coverage_gap`` steps
+    (``sfi.coverage``).
     """
 
     # --- memory of a fast step (METHOD.md section 2) ---
@@ -108,7 +109,8 @@ class SFIConfig:
     hysteresis: float = 0.0
     dense_layers: int = 0
     coverage_layers: int = 0
-    coverage_top: int = 1
+    coverage_top: int = 2
+    coverage_threshold: float = 0.1
     coverage_gap: int = 4
 
     def __post_init__(self) -> None:
@@ -168,6 +170,7 @@ class SFIConfig:
         _require_int("dense_layers", self.dense_layers, 0)
         _require_int("coverage_layers", self.coverage_layers, 0)
         _require_int("coverage_top", self.coverage_top, 1)
+        _require_float("coverage_threshold", self.coverage_threshold, 0.0, 1.0)
         _require_int("coverage_gap", self.coverage_gap, 1)
 
     def budget(self, context: int) -> int:

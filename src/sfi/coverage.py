@@ -6,11 +6,12 @@ paper's triggers do not see it. Here a few probe layers check at every fast step
 
 For each page of P positions (aligned at 0) the element-wise min and max of its keys bound every
 ``q . k`` inside it: ``sum_d max(q_d min_d, q_d max_d)`` (Quest). A probe ranks the pages of the
-middle region by that bound, summed over the G query heads of each KV head; when one of the
-``top`` best pages (wholly inside the middle region) of some KV head holds none of the
-memory's positions, the memory is likely
-missing attention mass the query wants, and the row refreshes at its next step. A probe reads
-the page summaries, O(T / P) per layer, where a dense step reads O(T) on every layer.
+middle region that the memory does not hold by that bound (summed over the G query heads of each
+KV head), reads the keys of the ``top`` best of them, and compares their attention weight with
+the memory's (the log-sum-exp of the fast step's own logits): when, for some KV head, those
+pages would take more than ``threshold`` of the attention (averaged over its query heads), the
+memory misses mass the query wants, and the row refreshes at its next step. A probe reads the
+page summaries, O(T / P), and ``top`` pages; a dense step reads O(T) at every layer.
 
 Shapes: n rows, H KV heads, G query heads per KV head, P pages, D head size, C compact slots.
 """
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sfi.kernels import attention_logits
 from sfi.scorers.quest import page_scores
 
 DEFAULT_PAGE = 16
@@ -36,30 +38,39 @@ def probe_layers(count: int, layer_ids: Sequence[int], dense_layers: int) -> tup
     return tuple(sparse[int((j + 0.5) * len(sparse) / count)] for j in range(count))
 
 
-def missing_rows(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
-                 memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                 page: int, top: int) -> torch.Tensor:
-    """``[n]`` bool: rows whose fast memory holds nothing of one of the ``top`` pages (per KV
-    head) that the query bounds highest in its middle region.
+def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
+                 low: torch.Tensor, high: torch.Tensor, memory: torch.Tensor, held: torch.Tensor,
+                 lo: torch.Tensor, hi: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
+                 threshold: float, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """``[n]`` bool: rows whose fast memory misses attention mass (see the module docstring).
 
     Args:
-        query: ``[n, H, G, D]``; low, high: ``[n, H, P, D]`` per-page min and max keys.
+        query: ``[n, H, G, D]``; keys: ``[B, H, T, D]`` the cached keys of the whole batch,
+            of which these are the ``rows [n]``; low, high: ``[n, H, P, D]`` per-page min and
+            max keys.
         memory: ``[n, H, C]`` the compact slots' positions; held: ``[n, C]`` bool, the slots
             that hold a selected position.
         lo, hi: ``[n]`` the middle region [lo, hi) of each row.
+        lse: ``[n, H, G]`` log-sum-exp of the fast step's logits over its memory.
     """
     n, h, pages = low.shape[0], low.shape[1], low.shape[2]
-    scores = page_scores(query, low, high)  # [n, H, P]
+    t = keys.shape[-2]
     starts = torch.arange(pages, device=low.device) * page
-    # pages wholly inside the middle region: one that reaches into the sinks or the recent
-    # window is (partly) read anyway
+    # pages wholly inside the middle region (one reaching into the sinks or the recent window
+    # is partly read anyway) that the memory holds nothing of
     middle = (starts[None, :] >= lo[:, None]) & (starts[None, :] + page <= hi[:, None])  # [n, P]
-    scores = scores.masked_fill(~middle[:, None, :], float("-inf"))
     in_memory = torch.zeros(n, h, pages + 1, dtype=torch.bool, device=low.device)
     slot_pages = torch.where(held[:, None, :], memory // page, pages).clamp(max=pages)
     in_memory.scatter_(-1, slot_pages, True)
-    k = min(top, pages)
-    best = torch.topk(scores, k, dim=-1)
-    wanted = torch.isfinite(best.values)
-    missed = wanted & ~in_memory[..., :pages].gather(-1, best.indices)
-    return missed.flatten(1).any(dim=-1)
+    outside = middle[:, None, :] & ~in_memory[..., :pages]  # [n, H, P]
+    scores = page_scores(query, low, high).masked_fill(~outside, float("-inf"))
+    best = torch.topk(scores, min(top, pages), dim=-1)  # [n, H, m]
+    positions = best.indices[..., None] * page + torch.arange(page, device=low.device)
+    real = torch.isfinite(best.values)[..., None] & (positions < t)  # [n, H, m, P]
+    flat = positions.clamp(max=t - 1).flatten(2)  # [n, H, m * P]
+    heads = torch.arange(h, device=low.device)[None, :, None]
+    chosen = keys[rows[:, None, None], heads, flat]  # [n, H, m * P, D]: only those pages
+    logits = attention_logits(query, chosen, scale, softcap)  # [n, H, G, m * P]
+    logits = logits.masked_fill(~real.flatten(2)[:, :, None, :], float("-inf"))
+    share = torch.sigmoid(torch.logsumexp(logits, dim=-1) - lse)  # their weight vs the memory's
+    return (share.mean(dim=2) > threshold).any(dim=-1)

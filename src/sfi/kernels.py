@@ -78,13 +78,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
 def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Tensor,
                    compact_bias: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor,
                    recent_bias: torch.Tensor | None, scale: float,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, lse: list[torch.Tensor] | None = None
+                   ) -> torch.Tensor:
     """One fast step: a single softmax over the compact buffer and the recent window.
 
     Args:
         q: ``[B, H, G, D]``; compact_k/v: ``[B, H, C, D]`` (sink + selected);
         compact_bias: ``[B, 1, 1, C]`` (-inf on unused slots); recent_k/v: ``[B, H, L, D]``;
         recent_bias: ``[B, 1, 1, L]`` or None.
+        lse: when given, receives the log-sum-exp of the logits ``[B, H, G]`` (the memory's
+            total attention weight, for the coverage probes).
     Returns:
         ``[B, H, G, D]``.
     """
@@ -92,7 +95,10 @@ def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Te
     recent = attention_logits(q, recent_k, scale, softcap)
     if recent_bias is not None:
         recent = recent + recent_bias
-    p = torch.softmax(torch.cat([compact, recent], dim=-1), dim=-1).to(recent_v.dtype)
+    logits = torch.cat([compact, recent], dim=-1)
+    if lse is not None:
+        lse.append(torch.logsumexp(logits, dim=-1))
+    p = torch.softmax(logits, dim=-1).to(recent_v.dtype)
     width = compact.shape[-1]
     return torch.matmul(p[..., :width], compact_v) + torch.matmul(p[..., width:], recent_v)
 

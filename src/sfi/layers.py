@@ -31,7 +31,7 @@ from sfi.coverage import missing_rows
 from sfi.errors import SFIError
 from sfi.kernels import dense_attention, fast_attention, window_logits
 from sfi.overlap import StagedCompact
-from sfi.planner import SlowRows, StepPlan
+from sfi.planner import Probe, SlowRows, StepPlan
 from sfi.rows import Rows
 from sfi.scorers import Evidence
 from sfi.scorers.quest import page_bounds
@@ -325,12 +325,14 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
             fast, width = plan.fast, plan.compact_width
             rows = fast.rows
             self.ensure_compact(width)
+            probes = plan.probes_at(self.layer_idx)
+            lse: list[torch.Tensor] | None = [] if probes else None
             o = fast_attention(rows.take(q),
                                rows.take(self.compact_keys[:, :, :width]),
                                rows.take(self.compact_values[:, :, :width]), fast.compact_bias,
                                rows.take(keys[:, :, fast.read_start:]),
                                rows.take(values[:, :, fast.read_start:]), fast.recent_bias,
-                               scale, softcap)
+                               scale, softcap, lse)
             rows.put(out, o)
             if rebuilding is not None:
                 lagging = rows.intersect(rebuilding)
@@ -339,27 +341,35 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
                     step.record_lag(lagging.indices)
             if forced:
                 dense(rows.intersect(Rows(forced, len(plan.kinds), q.device)))
-            for page, top, probed in plan.probes_at(self.layer_idx):
-                self._probe_coverage(step, plan, Rows(probed, len(plan.kinds), q.device), q,
-                                     page, top)
+            for probe in probes:
+                self._probe_coverage(step, plan, probe, q, lse[0], scale, softcap)
         return out
 
-    def _probe_coverage(self, step: StepContext, plan: StepPlan, rows: Rows, q: torch.Tensor,
-                        page: int, top: int) -> None:
-        """Flag the ``rows`` whose fast memory misses a page this query bounds highly
-        (``sfi.coverage``); they refresh at their next step."""
-        low, high = self.page_summaries(page)
-        memories = [plan.memories[r] for r in rows.indices]
-        slot = torch.arange(plan.compact_width, device=q.device)[None, :]
-        sink = torch.tensor([m.sink for m in memories], device=q.device)[:, None]
-        k = torch.tensor([m.k for m in memories], device=q.device)[:, None]
+    def _probe_coverage(self, step: StepContext, plan: StepPlan, probe: Probe,
+                        q: torch.Tensor, fast_lse: torch.Tensor, scale: float,
+                        softcap: float | None) -> None:
+        """Flag the probe's rows whose fast memory misses attention mass (``sfi.coverage``);
+        they refresh at their next step. ``fast_lse [n_fast, H, G]``: the fast rows' memory
+        log-sum-exp."""
+        device = q.device
+        rows = Rows(probe.rows, len(plan.kinds), device)
+        fast = plan.fast.rows.indices
+        lse = fast_lse.index_select(0, torch.tensor([fast.index(r) for r in probe.rows],
+                                                    device=device))
+        low, high = self.page_summaries(probe.page)
+        memories = [plan.memories[r] for r in probe.rows]
+        slot = torch.arange(plan.compact_width, device=device)[None, :]
+        sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
+        k = torch.tensor([m.k for m in memories], device=device)[:, None]
         missed = missing_rows(
-            rows.take(q).float(), rows.take(low), rows.take(high),
+            rows.take(q), self.keys, rows.index, rows.take(low), rows.take(high),
             rows.take(self.compact_positions[:, :, : plan.compact_width]),
             (slot >= sink) & (slot < sink + k),
-            torch.tensor([m.sink_end for m in memories], device=q.device),
-            torch.tensor([m.recent_start for m in memories], device=q.device), page, top)
-        step.missed.update(r for r, miss in zip(rows.indices, missed.tolist()) if miss)
+            torch.tensor([m.sink_end for m in memories], device=device),
+            torch.tensor([m.recent_start for m in memories], device=device), lse,
+            page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
+            softcap=softcap)
+        step.missed.update(r for r, miss in zip(probe.rows, missed.tolist()) if miss)
 
     # --- the slow step's refresh -----------------------------------------------------------
     def _select_after_prefill(self, step: StepContext, slow: SlowRows, query: torch.Tensor,

@@ -168,6 +168,19 @@ class FastRows:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """A coverage probe of one layer: the fast ``rows`` it checks, the page size of its
+    summaries, how many of the best pages outside the memory it reads, and the attention share
+    above which a row refreshes (``sfi.coverage``)."""
+
+    layer: int
+    page: int
+    top: int
+    threshold: float
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """What every layer does in one forward pass, decided before it runs.
 
@@ -191,12 +204,11 @@ class StepPlan:
     compact_width: int
     dense_layers: tuple[int, ...] = ()
     memories: tuple[Memory | None, ...] = ()
-    probes: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
+    probes: tuple[Probe, ...] = ()
 
-    def probes_at(self, layer_idx: int) -> list[tuple[int, int, tuple[int, ...]]]:
-        """``(page, top, rows)``: the fast rows whose coverage this layer probes, by page size
-        and number of top pages checked."""
-        return [(page, top, rows) for layer, page, top, rows in self.probes if layer == layer_idx]
+    def probes_at(self, layer_idx: int) -> list[Probe]:
+        """The coverage probes this layer runs (the fast rows they check, and how)."""
+        return [probe for probe in self.probes if probe.layer == layer_idx]
 
     def dense_at(self, layer_idx: int) -> tuple[int, ...]:
         """The slow and fast rows that read densely at ``layer_idx`` (one of their first
@@ -282,16 +294,17 @@ class Planner:
                         memories=tuple(s.memory for s in self.sequences),
                         probes=self._probes(fast_rows))
 
-    def _probes(self, fast_rows: list[int]) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
-        """``(layer, page, top, rows)``: which fast rows each probe layer checks, and how."""
-        probes: dict[tuple[int, int, int], list[int]] = {}
+    def _probes(self, fast_rows: list[int]) -> tuple[Probe, ...]:
+        """Which fast rows each probe layer checks, and how."""
+        probes: dict[tuple[int, int, int, float], list[int]] = {}
         for row in fast_rows:
             c = self.sequences[row].config
             if c.coverage_layers:
                 page = c.page_size if c.page_size > 1 else DEFAULT_PAGE
                 for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
-                    probes.setdefault((layer, page, c.coverage_top), []).append(row)
-        return tuple((*key, tuple(rows)) for key, rows in probes.items())
+                    key = (layer, page, c.coverage_top, c.coverage_threshold)
+                    probes.setdefault(key, []).append(row)
+        return tuple(Probe(*key, tuple(rows)) for key, rows in probes.items())
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:
         return Rows(tuple(indices), len(self.sequences), device)
