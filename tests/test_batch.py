@@ -29,15 +29,17 @@ def test_batched_logits_equal_unbatched_with_different_refresh_steps():
     long, short = torch.randint(1, 256, (1, 70), generator=g), torch.randint(1, 256, (1, 45),
                                                                                generator=g)
     ids, mask = _padded(long, short)
-    config = SFIConfig(**CONFIG, trigger="random", random_period_min=2, random_period_max=6)
+    # the paper preset: refreshes come from the random trigger alone (no coverage refresh)
+    config = SFIConfig.paper(**CONFIG, trigger="random", random_period_min=2,
+                             random_period_max=6)
     batch = lockstep(model, ids, config, steps=20, attention_mask=mask)
     kinds = batch.kinds
     assert any(k[0] != k[1] for k in kinds), "the rows should refresh at different steps"
     assert any(k == ["fast", "slow"] or k == ["slow", "fast"] for k in kinds)
     # each row alone, fed the tokens the batch's full-attention reference chose for it
     for row, prompt in enumerate((long, short)):
-        config_row = SFIConfig(**CONFIG, trigger="random", random_period_min=2,
-                               random_period_max=6, seed=0)
+        config_row = SFIConfig.paper(**CONFIG, trigger="random", random_period_min=2,
+                                     random_period_max=6, seed=0)
         alone = _alone(model, prompt, batch, row, config_row)
         for step, (a, b) in enumerate(zip(alone, batch.sfi_logits)):
             torch.testing.assert_close(a[0], b[row], atol=2e-5, rtol=1e-5,

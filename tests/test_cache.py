@@ -52,7 +52,7 @@ def test_budget_larger_than_the_middle_takes_all_of_it():
 def test_fraction_budget():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
-    config = SFIConfig(sink=4, recent=16, k_head=None, k_fraction=0.1, trigger="bootstrap")
+    config = SFIConfig.paper(sink=4, recent=16, k_head=None, k_fraction=0.1, trigger="bootstrap")
     run = lockstep(model, ids, config, steps=2)
     assert run.cache.memory(0).k == 20  # ceil(0.1 * 200)
     assert run.kinds[1] == ["fast"]
@@ -112,11 +112,11 @@ def _poison_outside_memory(cache: SlowFastCache, layers: list[int] | None = None
         layer.values[~keep] = garbage[~keep]
 
 
-def _poison_run(poison_before_step: int, period: int, **mechanisms):
+def _poison_run(poison_before_step: int, period: int, preset: str = "paper", **mechanisms):
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(4))
-    config = SFIConfig(sink=3, recent=8, k_head=10, force_sparse=True, trigger="fixed",
-                       period=period, **mechanisms)
+    config = SFIConfig.from_preset(preset, sink=3, recent=8, k_head=10, force_sparse=True,
+                                   trigger="fixed", period=period, **mechanisms)
     clean = SlowFastCache(model, config)
     dirty = SlowFastCache(model, config)
     key = cache_argument(model)
@@ -133,7 +133,8 @@ def _poison_run(poison_before_step: int, period: int, **mechanisms):
 
 
 MECHANISMS = {"paper": {}, "pages, pins, hysteresis": dict(
-    pool_kernel=5, page_size=4, pin_fraction=0.5, hysteresis=1.0, nms_strength=0.0)}
+    pool_kernel=5, page_size=4, pin_fraction=0.5, hysteresis=1.0, nms_strength=0.0),
+    "default": dict(preset="default")}
 
 
 @pytest.mark.parametrize("mechanisms", list(MECHANISMS.values()), ids=list(MECHANISMS))

@@ -101,9 +101,9 @@ def test_each_sequence_keeps_its_own_config_and_scorer_in_a_merged_batch():
     g = torch.Generator().manual_seed(11)
     first, second = torch.randint(1, 256, (1, 60), generator=g), torch.randint(1, 256, (1, 41),
                                                                                  generator=g)
-    config_a = SFIConfig(sink=2, recent=6, k_head=8, evidence_window=4, force_sparse=True,
+    config_a = SFIConfig.paper(sink=2, recent=6, k_head=8, evidence_window=4, force_sparse=True,
                          trigger="fixed", period=3)
-    config_b = SFIConfig(sink=5, recent=9, k_head=13, evidence_window=10, force_sparse=True,
+    config_b = SFIConfig.paper(sink=5, recent=9, k_head=13, evidence_window=10, force_sparse=True,
                          trigger="fixed", period=4)
     scorer_b = make_scorer("snapkv", config_b)
     steps = 13

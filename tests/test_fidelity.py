@@ -16,8 +16,8 @@ def test_full_budget_is_exact_and_small_budget_is_not():
     methods = {
         "everything": SFIConfig(sink=2, recent=8, k_head=1000, force_sparse=True,
                                 trigger="fixed", period=5),
-        "tiny": SFIConfig(sink=2, recent=4, k_head=4, force_sparse=True, trigger="fixed",
-                          period=5),
+        "tiny": SFIConfig.paper(sink=2, recent=4, k_head=4, force_sparse=True,
+                                trigger="fixed", period=5),
     }
     everything, tiny = teacher_forced_fidelity(model, ids, context=100, methods=methods,
                                                window=8)

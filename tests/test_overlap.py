@@ -34,7 +34,7 @@ class DeferredRebuilder:
 def test_rows_read_densely_until_their_rebuild_is_ready():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(0))
-    config = SFIConfig(sink=2, recent=6, k_head=6, force_sparse=True, trigger="bootstrap")
+    config = SFIConfig.paper(sink=2, recent=6, k_head=6, force_sparse=True, trigger="bootstrap")
     sparse = SlowFastCache(model, config)
     deferred = DeferredRebuilder()
     sparse.rebuilder = deferred

@@ -50,7 +50,8 @@ def test_tova_is_the_last_query_averaged_over_heads():
 @pytest.mark.parametrize("name", ["snapkv", "tova"])
 def test_scorers_drive_the_same_mechanics(name):
     model = tiny_model("llama")
-    config = SFIConfig(sink=2, recent=6, k_head=9, force_sparse=True, trigger="fixed", period=4,
+    config = SFIConfig.paper(sink=2, recent=6, k_head=9, force_sparse=True, trigger="fixed",
+                             period=4,
                        evidence_window=8)
     ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(9))
     run = lockstep(model, ids, config, steps=6, scorer=make_scorer(name, config))

@@ -177,7 +177,7 @@ def test_top_k_picks_the_best():
 
 def test_selector_composes_the_stages():
     torch.manual_seed(4)
-    cfg = SFIConfig()
+    cfg = SFIConfig.paper()
     cand, lo, hi = region(b=2)
     ev = Evidence(logits=torch.randn(2, 4, 3, T), key_norms=torch.rand(2, 4, T) + 0.5,
                   candidates=cand, lo=lo, hi=hi, layer_idx=0)

@@ -44,7 +44,8 @@ def _require_float(name: str, value: Any, low: float | None = None, high: float 
 
 @dataclass(frozen=True)
 class SFIConfig:
-    """Configuration of slow-fast decoding.
+    """Configuration of slow-fast decoding: the default preset (what measures best in
+    ``docs/eval``); ``SFIConfig.paper()`` is METHOD.md exactly.
 
     Memory of a fast step, per (layer, KV head): ``sink`` first tokens, ``K`` selected tokens
     from the middle region, and the ``recent`` last tokens (plus every token generated since the
@@ -52,7 +53,8 @@ class SFIConfig:
     (then ``k_head`` must be left at None). ``overlap_selection`` runs the Selector and the
     compact rebuild on a CUDA side stream (METHOD.md section 4); it has no effect on CPU.
 
-    Beyond METHOD.md, for retrieval (each off at its neutral value, as in the paper preset):
+    Beyond METHOD.md, for retrieval (on by default; each off at its neutral value in the paper
+    preset, which also turns soft-NMS back on):
     ``pool_kernel``/``pool`` pool the Selector's evidence along positions (a needle's span ranks
     with its peak); ``page_size`` selects whole pages of that many tokens (aligned at position
     0) ranked by their best token; ``pin_fraction`` of K is fixed by a sequence's first
@@ -96,22 +98,22 @@ class SFIConfig:
     lambda_cap_single: float = 0.35
     lambda_cap_multi: float = 0.25
     nms_radius: int = 16
-    nms_strength: float = 1.0
+    nms_strength: float = 0.0  # METHOD.md: 1.0; off by default (docs/eval: it drops needles)
     exclusivity_temperature: float = 2.0
     exclusivity_strength: float = 0.85
     exclusivity_min_heads: int = 3
 
     # --- retrieval-safe selection (beyond METHOD.md; measured in docs/eval) ---
-    pool_kernel: int = 1
+    pool_kernel: int = 9
     pool: PoolMode = "max"
-    page_size: int = 1
+    page_size: int = 16
     pin_fraction: float = 0.0
     hysteresis: float = 0.0
     dense_layers: int = 0
-    coverage_layers: int = 0
+    coverage_layers: int = 8
     coverage_top: int = 2
     coverage_threshold: float = 0.1
-    coverage_gap: int = 4
+    coverage_gap: int = 2
 
     def __post_init__(self) -> None:
         _require_int("sink", self.sink, 0)

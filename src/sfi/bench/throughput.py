@@ -104,8 +104,8 @@ def benchmark_ids(tokenizer: Any, context: int, batch: int) -> torch.Tensor:
 def make_bench_cache(mode: str, model: torch.nn.Module, tokenizer: Any, config: SFIConfig,
                      prefix: KV, capacity: int) -> DecodeCache:
     """The cache of one bench mode, loaded with a copy of ``prefix``."""
-    if mode == "sfi-fast-only":
-        config = replace(config, trigger="bootstrap")
+    if mode == "sfi-fast-only":  # no refresh after the first selection
+        config = replace(config, trigger="bootstrap", coverage_layers=0)
     method = "sfi" if mode.startswith("sfi") else mode
     cache = build_cache(model, tokenizer, method, config=config if method == "sfi" else None,
                         capacity=capacity)
