@@ -13,6 +13,22 @@ from sfi.eval.tasks import TASKS
 Row = dict[str, Any]
 
 
+SHORT_FIELDS = {"pool_kernel": "pool", "page_size": "page", "nms_strength": "nms",
+                "coverage_layers": "cov", "coverage_gap": "gap", "coverage_top": "top",
+                "coverage_threshold": "thr", "pin_fraction": "pin", "dense_layers": "dense",
+                "exclusivity_strength": "excl", "lambda_cap_single": "lam1",
+                "lambda_cap_multi": "lamN", "evidence_window": "W", "hysteresis": "hyst"}
+
+
+def short_label(method: str) -> str:
+    """A method name with its bracketed config fields abbreviated (for plots)."""
+    head, sep, inner = method.partition("[")
+    if not sep:
+        return method
+    fields = [f.split("=", 1) for f in inner.rstrip("]").split(",") if "=" in f]
+    return f"{head}[" + ",".join(f"{SHORT_FIELDS.get(k, k)}={v}" for k, v in fields) + "]"
+
+
 def label(row: Row) -> str:
     """``method@budget`` (``full`` alone)."""
     return "full" if row["method"] == "full" else f"{row['method']}@{row['budget']:g}"
@@ -225,24 +241,28 @@ def plot_score_vs_budget(result: Row, folder: Path) -> str | None:
     summary = [e for e in result["summary"] if e["average"] is not None]
     if not summary:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     lines: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for e in summary:
         lines[(e["method"], e["context"])].append((100 * e["retention"], e["average"]))
-    for (method, context), points in sorted(lines.items()):
-        name = f"{method} ({context})" if len(result["contexts"]) > 1 else method
+    colours = plt.get_cmap("tab20").colors
+    markers = "os^Dv<>pP*Xh"
+    for i, ((method, context), points) in enumerate(sorted(lines.items())):
+        name = short_label(method)
+        name = f"{name} ({context})" if len(result["contexts"]) > 1 else name
         points.sort()
         if method == "full":
             ax.axhline(points[0][1], color="black", linestyle="--", linewidth=1, label=name)
             continue
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", label=name,
+        ax.plot(xs, ys, marker=markers[i % len(markers)], label=name,
+                color=colours[(2 * i) % 20 + (i // 10) % 2],
                 linewidth=2.5 if method.startswith("sfi") else 1.2)
     ax.set_xlabel("measured retention (% of the context read per decode step)")
     ax.set_ylabel("task-average score (%)")
     ax.set_title(f"{result['model']}: score against budget")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     path = folder / "score_vs_budget.png"
     fig.tight_layout()
     fig.savefig(path, dpi=120)
