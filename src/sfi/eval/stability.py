@@ -8,7 +8,8 @@ region by attention (summed over the query heads of the group). We record
   sentence and steps that start a new sentence;
 - its overlap with the support at the last sentence boundary, against steps since it;
 - the attention mass that SFI's fast memory (sink + the Selector's K positions chosen at the
-  last refresh + the recent window) captures, with refreshes where SFI's trigger fires them.
+  last refresh, by token or by page as the config says + the recent window) captures, with
+  refreshes where SFI's sentence trigger fires them (the coverage probes are not simulated).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class _Recorder:
                                 candidates=candidates, lo=torch.tensor([lo]),
                                 hi=torch.tensor([hi]), layer_idx=layer.layer_idx)
             chosen, _ = top_k_positions(self.selector.score(evidence), candidates,
-                                        torch.tensor([k]))
+                                        torch.tensor([k]), page=self.config.page_size)
             memory.scatter_(-1, chosen[0], True)
         return memory
 
