@@ -351,25 +351,16 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         """Flag the probe's rows whose fast memory misses attention mass (``sfi.coverage``);
         they refresh at their next step. ``fast_lse [n_fast, H, G]``: the fast rows' memory
         log-sum-exp."""
-        device = q.device
-        rows = Rows(probe.rows, len(plan.kinds), device)
-        fast = plan.fast.rows.indices
-        lse = fast_lse.index_select(0, torch.tensor([fast.index(r) for r in probe.rows],
-                                                    device=device))
+        target = probe.target
+        rows = target.rows
         low, high = self.page_summaries(probe.page)
-        memories = [plan.memories[r] for r in probe.rows]
-        slot = torch.arange(plan.compact_width, device=device)[None, :]
-        sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
-        k = torch.tensor([m.k for m in memories], device=device)[:, None]
         missed = missing_rows(
             rows.take(q), self.keys, rows.index, rows.take(low), rows.take(high),
-            rows.take(self.compact_positions[:, :, : plan.compact_width]),
-            (slot >= sink) & (slot < sink + k),
-            torch.tensor([m.sink_end for m in memories], device=device),
-            torch.tensor([m.recent_start for m in memories], device=device), lse,
+            rows.take(self.compact_positions[:, :, : plan.compact_width]), target.held,
+            target.lo, target.hi, fast_lse.index_select(0, target.fast_index),
             page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
             softcap=softcap)
-        step.missed.update(r for r, miss in zip(probe.rows, missed.tolist()) if miss)
+        step.missed.update(r for r, miss in zip(rows.indices, missed.tolist()) if miss)
 
     # --- the slow step's refresh -----------------------------------------------------------
     def _select_after_prefill(self, step: StepContext, slow: SlowRows, query: torch.Tensor,

@@ -168,16 +168,35 @@ class FastRows:
 
 
 @dataclass(frozen=True)
+class ProbedRows:
+    """The fast rows that a group of coverage probes checks, with what every probe layer needs
+    of them (built once per step).
+
+    Attributes:
+        rows: which sequences.
+        fast_index: ``[n]`` their places among the step's fast rows.
+        lo, hi: ``[n]`` their middle regions [lo, hi).
+        held: ``[n, C]`` bool, the compact slots that hold a selected position.
+    """
+
+    rows: Rows
+    fast_index: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    held: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Probe:
-    """A coverage probe of one layer: the fast ``rows`` it checks, the page size of its
-    summaries, how many of the best pages outside the memory it reads, and the attention share
-    above which a row refreshes (``sfi.coverage``)."""
+    """A coverage probe of one layer: the rows it checks, the page size of its summaries, how
+    many of the best pages outside the memory it reads, and the attention share above which a
+    row refreshes (``sfi.coverage``)."""
 
     layer: int
     page: int
     top: int
     threshold: float
-    rows: tuple[int, ...]
+    target: ProbedRows
 
 
 @dataclass(frozen=True)
@@ -292,19 +311,33 @@ class Planner:
                         compact_width=width,
                         dense_layers=tuple(s.config.dense_layers for s in self.sequences),
                         memories=tuple(s.memory for s in self.sequences),
-                        probes=self._probes(fast_rows))
+                        probes=self._probes(fast_rows, width, device))
 
-    def _probes(self, fast_rows: list[int]) -> tuple[Probe, ...]:
+    def _probes(self, fast_rows: list[int], width: int, device: torch.device
+                ) -> tuple[Probe, ...]:
         """Which fast rows each probe layer checks, and how."""
-        probes: dict[tuple[int, int, int, float], list[int]] = {}
+        groups: dict[tuple[int, int, float], list[int]] = {}
         for row in fast_rows:
             c = self.sequences[row].config
             if c.coverage_layers:
                 page = c.page_size if c.page_size > 1 else DEFAULT_PAGE
-                for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
-                    key = (layer, page, c.coverage_top, c.coverage_threshold)
-                    probes.setdefault(key, []).append(row)
-        return tuple(Probe(*key, tuple(rows)) for key, rows in probes.items())
+                groups.setdefault((page, c.coverage_top, c.coverage_threshold), []).append(row)
+        probes = []
+        for (page, top, threshold), rows in groups.items():
+            memories = [self.sequences[r].memory for r in rows]
+            slot = torch.arange(width, device=device)[None, :]
+            sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
+            k = torch.tensor([m.k for m in memories], device=device)[:, None]
+            target = ProbedRows(
+                self._rows(rows, device),
+                torch.tensor([fast_rows.index(r) for r in rows], device=device),
+                torch.tensor([m.sink_end for m in memories], device=device),
+                torch.tensor([m.recent_start for m in memories], device=device),
+                (slot >= sink) & (slot < sink + k))
+            c = self.sequences[rows[0]].config
+            for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
+                probes.append(Probe(layer, page, top, threshold, target))
+        return tuple(probes)
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:
         return Rows(tuple(indices), len(self.sequences), device)
