@@ -81,3 +81,32 @@ def test_a_forward_that_raises_leaves_no_step_behind():
         plain = model(input_ids=ids, use_cache=True,
                       **{key: DynamicCache(config=model.config)}).logits
     torch.testing.assert_close(routed_logits, plain)
+
+
+def test_two_threads_decode_one_model_at_once(tiny_llama_with_tokenizer):
+    """The routing hook's open forwards are per thread: two threads sharing a model (a server
+    and a script, two engines) must not pop each other's steps."""
+    import threading
+
+    model, tok = tiny_llama_with_tokenizer
+    config = SFIConfig(sink=2, recent=8, k_head=8, force_sparse=True, min_refresh_gap=2)
+    prompts = ["One prompt. With sentences! " * 6, "Another, different prompt. Yes. " * 5]
+    alone = [sfi.generate(model, tok, p, config=config, max_new_tokens=40).token_ids
+             for p in prompts]
+    together: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            together[i] = sfi.generate(model, tok, prompts[i], config=config,
+                                       max_new_tokens=40).token_ids
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert [together[0], together[1]] == alone

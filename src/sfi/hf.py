@@ -80,7 +80,15 @@ class _Routing:
     previous: str | None
     handles: list[Any]
     users: int = 0
-    open_steps: list[tuple[Any, Any, Any] | None] = field(default_factory=list)
+    local: threading.local = field(default_factory=threading.local)
+
+    @property
+    def open_steps(self) -> list[tuple[Any, Any, Any] | None]:
+        """This thread's forwards in progress (two threads may run the same model)."""
+        steps = getattr(self.local, "steps", None)
+        if steps is None:
+            steps = self.local.steps = []
+        return steps
 
 
 def _begin(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
