@@ -81,6 +81,8 @@ class StopChecker:
 
     def __init__(self, tokenizer: Any, eos: Collection[int], stop: Sequence[str] = (),
                  max_tokens: int | None = None):
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SFIError("stop strings must be non-empty strings")
         self.tokenizer = tokenizer
         self.eos = eos
         self.stop = tuple(stop)
@@ -88,6 +90,9 @@ class StopChecker:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self._text: str | None = None
+        self._longest = max((len(s) for s in self.stop), default=0)
+        self._scanned = 0  # characters of the text already scanned without a stop string
+        self._cut_at: int | None = None
 
     @property
     def done(self) -> bool:
@@ -115,15 +120,40 @@ class StopChecker:
         return self._text
 
     def _cut(self) -> int | None:
+        """Where the earliest stop string starts; scans only the text not scanned before
+        (with a margin for a multi-byte character that the last token completed)."""
+        if self._cut_at is not None:
+            return self._cut_at
         text = self.decoded()
-        hits = [text.index(s) for s in self.stop if s in text]
-        return min(hits) if hits else None
+        start = max(0, self._scanned - self._longest - _DECODE_MARGIN)
+        hits = [at for at in (text.find(s, start) for s in self.stop) if at >= 0]
+        if hits:
+            self._cut_at = min(hits)
+        else:
+            self._scanned = len(text)
+        return self._cut_at
 
     @property
     def text(self) -> str:
         """The text so far, cut before the earliest stop string."""
         cut = self._cut() if self.stop else None
         return self.decoded() if cut is None else self.decoded()[:cut]
+
+    @property
+    def settled_text(self) -> str:
+        """What can be streamed now: :attr:`text`, less a tail that could still grow into a
+        stop string (all of it once the sequence has ended)."""
+        text = self.text
+        if self.done or not self.stop:
+            return text
+        for size in range(min(len(text), self._longest - 1), 0, -1):
+            tail = text[-size:]
+            if any(s.startswith(tail) for s in self.stop):
+                return text[:-size]
+        return text
+
+
+_DECODE_MARGIN = 8  # characters at the end of the text that the next token may still change
 
 
 # --- sfi.generate ---------------------------------------------------------------------------
@@ -216,15 +246,23 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool,
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """``[B, V]`` logits -> ``[B]`` token ids: greedy at temperature 0, else nucleus sampling."""
-    if temperature == 0:
+    """``[B, V]`` logits -> ``[B]`` token ids: greedy at temperature 0, else nucleus sampling.
+
+    Temperatures below ``GREEDY_BELOW`` are greedy (dividing by them overflows float32), and the
+    nucleus always keeps the most likely token, however small ``top_p`` is.
+    """
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
+        keep[..., 0] = True
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
