@@ -62,3 +62,19 @@ def tiny_llama_with_tokenizer(smol_tokenizer):
     model = tiny_model("llama", vocab_size=len(smol_tokenizer))
     model.sfi_tokenizer = smol_tokenizer
     return model, smol_tokenizer
+
+
+# --- the server tests' tiny model and a running server (tests/serverkit.py) ----------
+@pytest.fixture(scope="module")
+def tiny(smol_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smol_tokenizer))
+    model.sfi_tokenizer = smol_tokenizer
+    return model, smol_tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    from serverkit import Server
+
+    with Server(*tiny) as running:
+        yield running

@@ -3,72 +3,14 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import httpx
-import openai
 import pytest
-import uvicorn
-from conftest import tiny_model
+from serverkit import CONFIG, Server
 
 import sfi
-from sfi import SFIConfig
-from sfi.server.app import create_app
-from sfi.server.engine import Engine
-
-CONFIG = SFIConfig(sink=2, recent=8, k_head=8, force_sparse=True, min_refresh_gap=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model, tokenizer, name="tiny", max_batch=4, max_queue=8):
-        self.engine = Engine(model, tokenizer, CONFIG, max_batch=max_batch, max_queue=max_queue)
-        self.port = _free_port()
-        app = create_app(self.engine, name, 2048)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.engine.start()
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started and time.time() < deadline:
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.engine.stop()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tiny(smol_tokenizer):
-    model = tiny_model("llama", vocab_size=len(smol_tokenizer))
-    model.sfi_tokenizer = smol_tokenizer
-    return model, smol_tokenizer
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with Server(*tiny) as running:
-        yield running
-
 
 PROMPTS = ["The first prompt. It is long enough! " * 4, "Second one. Short.",
            "A third prompt, of middle length. Yes. " * 2, "Four."]
@@ -265,3 +207,13 @@ def test_loadtest_reports_its_figures(server):
     assert result["requests"] >= 2 and result["tokens_per_s"] > 0
     assert result["ttft_p50_ms"] > 0 and result["itl_p50_ms"] > 0
     assert result["server_peak_rss_mb"] > 0
+    assert result["join_stall_ms"] is not None and result["itl_max_ms"] >= result["itl_p99_ms"]
+
+
+def test_join_stall_counts_gaps_that_overlap_a_join():
+    from sfi.bench.loadtest import join_stall
+
+    gaps = [(0.0, 0.1), (0.1, 0.9), (0.9, 1.0), (2.0, 3.5)]
+    assert join_stall(gaps, [(0.5, 0.6)]) == pytest.approx(0.8)
+    assert join_stall(gaps, [(1.2, 1.8)]) == 0.0
+    assert join_stall(gaps, [(0.95, 2.5)]) == pytest.approx(1.5)

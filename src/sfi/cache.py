@@ -41,6 +41,10 @@ class SlowFastCache(Cache):
     through sfi while the cache lives, or until :meth:`close` (also ``with SlowFastCache(...)
     as cache:``).
 
+    A prompt may be prefilled in several forwards (chunks): set :attr:`prompt_continues` to
+    True before every chunk but the last, which then makes the first selection from its last
+    W queries (so the last chunk should have at least W tokens).
+
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface``
             (Llama, Qwen2, Qwen3, Mistral, Gemma, ...).
@@ -77,6 +81,7 @@ class SlowFastCache(Cache):
         self._layer_ids: tuple[int, ...] = ()
         self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._kinds: tuple[str, ...] = ()
+        self.prompt_continues = False  # set between the chunks of a chunked prefill
         capacity = int(max_cache_len) if max_cache_len else 256
         super().__init__(layers=_build_layers(model, capacity))
         self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
@@ -94,7 +99,8 @@ class SlowFastCache(Cache):
                            f"forward with batch size {batch_size} cannot continue it")
         tokens = input_ids[:, -1].tolist() if input_ids is not None else [None] * batch_size
         plan = self.planner.plan(tokens, query_length, past, device,
-                                 may_lag=self.rebuilder.asynchronous)
+                                 may_lag=self.rebuilder.asynchronous,
+                                 select=not self.prompt_continues)
         return StepContext(layers=self.layers, plan=plan, rebuilder=self.rebuilder)
 
     def end_forward(self, step: StepContext) -> None:

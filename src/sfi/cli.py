@@ -455,31 +455,60 @@ def serve_cmd(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
     max_batch: Annotated[int, typer.Option(help="sequences decoded together at most")] = 8,
-    max_queue: Annotated[int, typer.Option(help="waiting requests before 429")] = 64,
+    max_queue: Annotated[int, typer.Option(
+        help="requests waiting for a busy slot before 429")] = 64,
+    api_key: Annotated[str | None, typer.Option(
+        envvar="SFI_API_KEY", help="require 'Authorization: Bearer KEY' on /v1/*")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        help="the model's name in the API (default: --model, or a folder's last part)")] = None,
+    allowed_host: Annotated[list[str] | None, typer.Option(
+        help="a Host header name to answer (repeatable; '*' = any; default: the loopback "
+             "names when --host is loopback, else any)")] = None,
+    max_body_mb: Annotated[float, typer.Option(help="larger request bodies get 413")] = 4.0,
+    request_timeout: Annotated[float | None, typer.Option(
+        help="seconds a request may take before it fails")] = 600.0,
+    prefill_chunk: Annotated[int, typer.Option(
+        help="a joining prompt is prefilled this many tokens at a time, between decode steps "
+             "of the running streams (0: whole prompts)")] = 256,
+    max_kv_tokens: Annotated[int | None, typer.Option(
+        help="KV tokens (prompt + max_tokens per sequence) the running batch may hold; "
+             "requests that do not fit wait")] = None,
 ) -> None:
     """An OpenAI-compatible server with continuous batching over slow-fast decoding."""
-    import uvicorn
+    from pathlib import Path
 
     from sfi.hf import context_length
-    from sfi.server.app import create_app
+    from sfi.server.app import create_app, is_loopback, serve
     from sfi.server.engine import Engine
 
     if max_batch < 1 or max_queue < 0:
         raise SFIError(f"--max-batch must be >= 1 and --max-queue >= 0 (got {max_batch}, "
                        f"{max_queue})")
+    if prefill_chunk < 0:
+        raise SFIError(f"--prefill-chunk must be >= 0 (got {prefill_chunk})")
+    if max_body_mb <= 0:
+        raise SFIError(f"--max-body-mb must be > 0 (got {max_body_mb})")
+    if api_key is not None and not api_key.strip():
+        raise SFIError("--api-key (or SFI_API_KEY) is set but empty")
+    if allowed_host is None:
+        allowed_host = ["127.0.0.1", "localhost", "[::1]", "::1"] if is_loopback(host) else ["*"]
+    if not is_loopback(host) and api_key is None:
+        err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can "
+                  "reach this port can use the model")
+    name = served_model_name or (Path(model).name if Path(model).exists() else model)
     loaded_model, tokenizer = _load(model, False)
     engine = Engine(loaded_model, tokenizer, config or SFIConfig(), max_batch=max_batch,
-                    max_queue=max_queue)
+                    max_queue=max_queue, request_timeout=request_timeout,
+                    prefill_chunk=prefill_chunk or None, max_kv_tokens=max_kv_tokens)
+    app_ = create_app(engine, name, context_length(loaded_model), api_key=api_key,
+                      allowed_hosts=allowed_host, max_body_bytes=int(max_body_mb * 2 ** 20))
     engine.start()
-    try:
-        uvicorn.run(create_app(engine, model, context_length(loaded_model)), host=host,
-                    port=port, log_level="info")
-    finally:
-        engine.stop()
+    serve(engine, app_, host, port)
 
 
 LOADTEST_KEYS = ("requests", "errors", "requests_per_s", "tokens_per_s", "ttft_p50_ms",
-                 "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_peak_rss_mb")
+                 "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "join_stall_ms",
+                 "server_peak_rss_mb")
 
 
 @app.command("loadtest")
@@ -490,8 +519,12 @@ def loadtest_cmd(
     duration: Annotated[float, typer.Option(help="seconds to keep sending")] = 60.0,
     max_tokens: Annotated[int, typer.Option(help="tokens per request")] = 64,
     mode: Annotated[str, typer.Option(help="sfi | full")] = "sfi",
-    prompt_chars: Annotated[int, typer.Option(help="prompt length in characters")] = 4000,
+    prompt_chars: Annotated[str, typer.Option(
+        help="prompt length in characters; several (comma-separated) mix short and long "
+             "requests across the clients")] = "4000",
     model: Annotated[str, typer.Option(help="model name to send")] = "default",
+    api_key: Annotated[str | None, typer.Option(
+        envvar="SFI_API_KEY", help="the server's API key, if it has one")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """N concurrent streaming clients against a running server, for a bounded time."""
@@ -504,7 +537,8 @@ def loadtest_cmd(
         raise SFIError(f"loadtest sends traffic to loopback addresses only, not {host!r}")
     if clients < 1 or duration <= 0 or max_tokens < 1 or mode not in ("sfi", "full"):
         raise SFIError("--clients and --max-tokens must be >= 1, --duration > 0, --mode sfi|full")
-    result = run_loadtest(url, clients, duration, max_tokens, mode, prompt_chars, model)
+    lengths = int_list("--prompt-chars", prompt_chars)
+    result = run_loadtest(url, clients, duration, max_tokens, mode, lengths, model, api_key)
     if as_json:
         print(json.dumps(result))
         return

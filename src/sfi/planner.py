@@ -261,12 +261,14 @@ class Planner:
 
     # --- planning ---------------------------------------------------------------------------
     def plan(self, tokens: Sequence[int | None], query_length: int, past: int,
-             device: torch.device, may_lag: bool = False) -> StepPlan:
+             device: torch.device, may_lag: bool = False, select: bool = True) -> StepPlan:
         """Decide, per sequence, whether this forward is dense, slow or fast.
 
         ``tokens`` are the last input token of each row (what the triggers observe);
         ``may_lag`` says that a fast row may find its rebuild not ready and read densely (an
-        asynchronous rebuilder), so the padding bias is needed even without dense rows.
+        asynchronous rebuilder), so the padding bias is needed even without dense rows;
+        ``select=False`` makes a multi-token forward dense without a selection (a prompt chunk
+        that more chunks follow).
         """
         total = past + query_length
         decode = query_length == 1 and past > 0
@@ -275,8 +277,8 @@ class Planner:
             pays = not seq.dense_only and seq.config.sparse_pays(total - seq.pad)
             reason = None
             if not decode:
-                kind = SLOW if pays else DENSE
-                reason = BOOTSTRAP if pays else None
+                kind = SLOW if pays and select else DENSE
+                reason = BOOTSTRAP if kind == SLOW else None
             elif not pays:
                 kind = DENSE
             else:

@@ -1,0 +1,140 @@
+"""Chunked prefill: a prompt prefilled in chunks continues exactly like one prefilled at once,
+and the server interleaves a joining prompt's chunks with the running batch's decode steps."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from serverkit import CONFIG, Server
+
+import sfi
+from sfi.cache import SlowFastCache
+from sfi.decode import decode_one, prefill
+from sfi.server.engine import prompt_chunks
+
+
+@pytest.mark.parametrize("length, chunk, window", [
+    (100, 512, 16), (512, 512, 16), (513, 512, 16), (1030, 512, 16), (1000, 100, 16),
+    (40, 16, 16), (17, 16, 16), (33, 16, 32)])
+def test_prompt_chunks(length, chunk, window):
+    bounds = prompt_chunks(length, chunk, window)
+    assert bounds[0] == 0 and bounds[-1] == length
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    assert all(s > 0 for s in sizes)
+    assert all(s <= chunk for s in sizes[:-1])
+    assert sizes[-1] >= min(window, length) and sizes[-1] <= max(chunk, window) + chunk
+
+
+def test_chunked_prefill_continues_like_one_prefill(tiny):
+    model, _ = tiny
+    torch.manual_seed(0)
+    ids = torch.randint(5, 2000, (1, 300))
+    config = sfi.SFIConfig(sink=2, recent=16, k_head=40, force_sparse=True, trigger="fixed",
+                           period=5, coverage_layers=0)
+
+    def run(chunk: int | None) -> tuple[list[torch.Tensor], list]:
+        cache = SlowFastCache(model, config, tokenizer=tiny[1], max_cache_len=400)
+        bounds = prompt_chunks(ids.shape[1], chunk, config.evidence_window)
+        for start, end in itertools.pairwise(bounds):
+            cache.prompt_continues = end < ids.shape[1]
+            logits = prefill(model, cache, ids[:, start:end], start=start)
+        cache.prompt_continues = False
+        outs, selections = [logits], [cache.selected_positions(0, 0)]
+        token = logits.argmax(-1)
+        for i in range(12):
+            logits = decode_one(model, cache, token, torch.tensor([ids.shape[1] + i]))
+            outs.append(logits)
+            selections.append(cache.selected_positions(0, 0))
+            token = logits.argmax(-1)
+        assert cache.step_kinds() in (("fast",), ("slow",))
+        return outs, selections
+
+    whole, whole_sel = run(None)
+    chunked, chunked_sel = run(64)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert [s.tolist() for s in whole_sel] == [s.tolist() for s in chunked_sel]
+
+
+def test_server_interleaves_chunks_with_decode_steps(tiny):
+    model, tok = tiny
+    prompt = "A long prompt that will need several chunks. " * 30
+    with Server(model, tok, prefill_chunk=32) as running:
+        engine = running.engine
+        trace: list[tuple[str, int]] = []
+        advance, step = engine._advance_join, engine._step
+
+        def traced_advance():
+            trace.append(("chunk", len(engine._active)))
+            advance()
+
+        def traced_step():
+            trace.append(("step", len(engine._active)))
+            step()
+
+        engine._advance_join, engine._step = traced_advance, traced_step
+        streamed = {}
+
+        def stream():
+            with httpx.stream("POST", f"{running.url}/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": "Short one.", "max_tokens": 120,
+                                    "temperature": 0, "stream": True}) as r:
+                streamed["lines"] = [line for line in r.iter_lines() if line]
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.time() + 30
+        while not engine._active and time.time() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(f"{running.url}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                             "temperature": 0})
+        t.join(timeout=60)
+        assert r.status_code == 200
+        expected = sfi.generate(model, tok, prompt, config=CONFIG, max_new_tokens=6).text
+        assert r.json()["choices"][0]["text"] == expected
+        chunks_while_decoding = [i for i, (kind, active) in enumerate(trace)
+                                 if kind == "chunk" and active > 0]
+        assert len(chunks_while_decoding) >= 5  # the long prompt came in several chunks
+        for i in chunks_while_decoding:  # ... each followed by a decode step
+            assert trace[i + 1][0] == "step", trace[i - 2: i + 3]
+        assert streamed["lines"][-1] == "data: [DONE]"
+
+
+def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny):
+    model, tok = tiny
+    prompt = "Twenty or so tokens of prompt for the budget test. " * 2
+    need = len(tok(prompt)["input_ids"]) + 40
+    with Server(model, tok, max_kv_tokens=need + 10) as running:  # room for one at a time
+        engine = running.engine
+        most = []
+        step = engine._step
+
+        def watched():
+            most.append(len(engine._active))
+            step()
+
+        engine._step = watched
+        codes = []
+
+        def fire():
+            codes.append(httpx.post(f"{running.url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+            }).status_code)
+
+        threads = [threading.Thread(target=fire) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert codes == [200, 200, 200]
+        assert max(most) == 1  # never two sequences beside each other
+        r = httpx.post(f"{running.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 60, "temperature": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "KV tokens" in r.json()["error"]["message"]
