@@ -64,10 +64,10 @@ def test_chunked_prefill_continues_like_one_prefill(tiny):
 def test_server_interleaves_chunks_with_decode_steps(tiny):
     model, tok = tiny
     prompt = "A long prompt that will need several chunks. " * 30
-    with Server(model, tok, prefill_chunk=32) as running:
+    with Server(model, tok, prefill_chunk=32, max_stall=0.0) as running:
         engine = running.engine
         trace: list[tuple[str, int]] = []
-        advance, step = engine._advance_join, engine._step
+        advance, step, join = engine._advance_join, engine._step, engine._join_batch
 
         def traced_advance():
             trace.append(("chunk", len(engine._active)))
@@ -77,7 +77,12 @@ def test_server_interleaves_chunks_with_decode_steps(tiny):
             trace.append(("step", len(engine._active)))
             step()
 
-        engine._advance_join, engine._step = traced_advance, traced_step
+        def traced_join(*args):
+            trace.append(("join", len(engine._active)))
+            join(*args)
+
+        engine._advance_join, engine._step, engine._join_batch = (traced_advance, traced_step,
+                                                                  traced_join)
         streamed = {}
 
         def stream():
@@ -101,8 +106,10 @@ def test_server_interleaves_chunks_with_decode_steps(tiny):
         chunks_while_decoding = [i for i, (kind, active) in enumerate(trace)
                                  if kind == "chunk" and active > 0]
         assert len(chunks_while_decoding) >= 5  # the long prompt came in several chunks
-        for i in chunks_while_decoding:  # ... each followed by a decode step
+        for i in chunks_while_decoding:  # ... each followed by a decode step (max_stall 0)
             assert trace[i + 1][0] == "step", trace[i - 2: i + 3]
+        rebuilds = [i for i, (kind, _) in enumerate(trace) if kind == "join"]
+        assert rebuilds and all(trace[i + 1][0] == "step" for i in rebuilds)
         assert streamed["lines"][-1] == "data: [DONE]"
 
 

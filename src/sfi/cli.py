@@ -469,7 +469,10 @@ def serve_cmd(
         help="seconds a request may take before it fails")] = 600.0,
     prefill_chunk: Annotated[int, typer.Option(
         help="a joining prompt is prefilled this many tokens at a time, between decode steps "
-             "of the running streams (0: whole prompts)")] = 256,
+             "of the running streams (0: whole prompts)")] = 128,
+    max_stall_ms: Annotated[float, typer.Option(
+        help="milliseconds of prefill chunks between two decode steps of running streams "
+             "(at least one chunk)")] = 400.0,
     max_kv_tokens: Annotated[int | None, typer.Option(
         help="KV tokens (prompt + max_tokens per sequence) the running batch may hold; "
              "requests that do not fit wait")] = None,
@@ -484,8 +487,9 @@ def serve_cmd(
     if max_batch < 1 or max_queue < 0:
         raise SFIError(f"--max-batch must be >= 1 and --max-queue >= 0 (got {max_batch}, "
                        f"{max_queue})")
-    if prefill_chunk < 0:
-        raise SFIError(f"--prefill-chunk must be >= 0 (got {prefill_chunk})")
+    if prefill_chunk < 0 or max_stall_ms < 0:
+        raise SFIError(f"--prefill-chunk and --max-stall-ms must be >= 0 (got {prefill_chunk}, "
+                       f"{max_stall_ms})")
     if max_body_mb <= 0:
         raise SFIError(f"--max-body-mb must be > 0 (got {max_body_mb})")
     if api_key is not None and not api_key.strip():
@@ -499,7 +503,8 @@ def serve_cmd(
     loaded_model, tokenizer = _load(model, False)
     engine = Engine(loaded_model, tokenizer, config or SFIConfig(), max_batch=max_batch,
                     max_queue=max_queue, request_timeout=request_timeout,
-                    prefill_chunk=prefill_chunk or None, max_kv_tokens=max_kv_tokens)
+                    prefill_chunk=prefill_chunk or None, max_stall=max_stall_ms / 1000,
+                    max_kv_tokens=max_kv_tokens)
     app_ = create_app(engine, name, context_length(loaded_model), api_key=api_key,
                       allowed_hosts=allowed_host, max_body_bytes=int(max_body_mb * 2 ** 20))
     engine.start()
