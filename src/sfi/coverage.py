@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from sfi.kernels import attention_logits
-from sfi.scorers.quest import page_scores
+from sfi.scorers.quest import box_scores
 
 DEFAULT_PAGE = 16
 
@@ -39,36 +39,37 @@ def probe_layers(count: int, layer_ids: Sequence[int], dense_layers: int) -> tup
 
 
 def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
-                 low: torch.Tensor, high: torch.Tensor, memory: torch.Tensor, held: torch.Tensor,
+                 centre: torch.Tensor, radius: torch.Tensor, memory: torch.Tensor,
+                 held: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
                  threshold: float, scale: float, softcap: float | None = None) -> torch.Tensor:
     """``[n]`` bool: rows whose fast memory misses attention mass (see the module docstring).
 
     Args:
         query: ``[n, H, G, D]``; keys: ``[B, H, T, D]`` the cached keys of the whole batch,
-            of which these are the ``rows [n]``; low, high: ``[n, H, P, D]`` per-page min and
-            max keys.
+            of which these are the ``rows [n]``; centre, radius: ``[n, H, P, D]`` the per-page
+            key boxes (``(max + min) / 2``, ``(max - min) / 2``).
         memory: ``[n, H, C]`` the compact slots' positions; held: ``[n, C]`` bool, the slots
             that hold a selected position.
         lo, hi: ``[n]`` the middle region [lo, hi) of each row.
         lse: ``[n, H, G]`` log-sum-exp of the fast step's logits over its memory.
     """
-    n, h, pages = low.shape[0], low.shape[1], low.shape[2]
+    n, h, pages = centre.shape[0], centre.shape[1], centre.shape[2]
     t = keys.shape[-2]
-    starts = torch.arange(pages, device=low.device) * page
+    starts = torch.arange(pages, device=centre.device) * page
     # pages wholly inside the middle region (one reaching into the sinks or the recent window
     # is partly read anyway) that the memory holds nothing of
     middle = (starts[None, :] >= lo[:, None]) & (starts[None, :] + page <= hi[:, None])  # [n, P]
-    in_memory = torch.zeros(n, h, pages + 1, dtype=torch.bool, device=low.device)
+    in_memory = torch.zeros(n, h, pages + 1, dtype=torch.bool, device=centre.device)
     slot_pages = torch.where(held[:, None, :], memory // page, pages).clamp(max=pages)
     in_memory.scatter_(-1, slot_pages, True)
     outside = middle[:, None, :] & ~in_memory[..., :pages]  # [n, H, P]
-    scores = page_scores(query, low, high).masked_fill(~outside, float("-inf"))
+    scores = box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
     best = torch.topk(scores, min(top, pages), dim=-1)  # [n, H, m]
-    positions = best.indices[..., None] * page + torch.arange(page, device=low.device)
+    positions = best.indices[..., None] * page + torch.arange(page, device=centre.device)
     real = torch.isfinite(best.values)[..., None] & (positions < t)  # [n, H, m, P]
     flat = positions.clamp(max=t - 1).flatten(2)  # [n, H, m * P]
-    heads = torch.arange(h, device=low.device)[None, :, None]
+    heads = torch.arange(h, device=centre.device)[None, :, None]
     chosen = keys[rows[:, None, None], heads, flat]  # [n, H, m * P, D]: only those pages
     logits = attention_logits(query, chosen, scale, softcap)  # [n, H, G, m * P]
     logits = logits.masked_fill(~real.flatten(2)[:, :, None, :], float("-inf"))

@@ -20,6 +20,7 @@ C compact slots.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,24 @@ from sfi.rows import Rows
 from sfi.scorers import Evidence
 from sfi.scorers.quest import page_bounds
 from sfi.selector import compact_slots, hysteresis_keep, selection_order
+
+
+@dataclass
+class _PageSummaries:
+    """Per-page key boxes of one layer, ``[B, H, room, D]`` each, filled up to ``count`` pages
+    (``done`` positions summarised)."""
+
+    page: int
+    done: int
+    low: torch.Tensor
+    high: torch.Tensor
+    centre: torch.Tensor
+    radius: torch.Tensor
+    count: int = 0
+
+    @property
+    def room(self) -> int:
+        return self.low.shape[2]
 
 
 class SlowFastLayer(AttendingLayer, CacheLayerMixin):
@@ -63,7 +82,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         self.compact_values: torch.Tensor | None = None
         self.compact_positions: torch.Tensor | None = None
         self.pending: StagedCompact | None = None
-        self._pages: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # page summaries
+        self._pages: _PageSummaries | None = None
 
     # --- the CacheLayerMixin interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,22 +180,38 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
 
     def page_summaries(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(low, high)`` ``[B, H, P, D]``: the element-wise min and max key of every page of
-        ``page`` positions (aligned at 0; the last may be partial). Kept up to date
-        incrementally: each call summarises only the positions appended since the last."""
+        ``page`` positions (aligned at 0; the last may be partial)."""
+        pages = self._summarise(page)
+        n = pages.count
+        return pages.low[:, :, :n], pages.high[:, :, :n]
+
+    def page_geometry(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(centre, radius)`` ``[B, H, P, D]`` of the same boxes, ``(high + low) / 2`` and
+        ``(high - low) / 2``: what bounding ``q . k`` reads (``sfi.scorers.quest``)."""
+        pages = self._summarise(page)
+        n = pages.count
+        return pages.centre[:, :, :n], pages.radius[:, :, :n]
+
+    def _summarise(self, page: int) -> _PageSummaries:
+        """The page summaries, kept up to date incrementally: each call summarises only the
+        positions appended since the last."""
         t = self.length
-        pages = -(-t // page)
-        if self._pages is None or self._pages[0] != page or self._pages[2].shape[2] < pages:
+        count = -(-t // page)
+        if self._pages is None or self._pages.page != page or self._pages.room < count:
             b, h, _, d = self._keys.shape
-            room = max(pages, self.capacity // page + 1)
+            room = max(count, self.capacity // page + 1)
             low = self._keys.new_full((b, h, room, d), float("inf"), dtype=torch.float32)
-            self._pages = (page, 0, low, torch.full_like(low, float("-inf")))
-        _, done, low, high = self._pages
-        first = done // page  # the page that was partial last time, and those after it
+            self._pages = _PageSummaries(page, 0, low, torch.full_like(low, float("-inf")),
+                                         torch.zeros_like(low), torch.zeros_like(low))
+        pages = self._pages
+        first = pages.done // page  # the page that was partial last time, and those after it
         new_low, new_high = page_bounds(self._keys[:, :, first * page: t], page)
-        low[:, :, first:pages] = new_low
-        high[:, :, first:pages] = new_high
-        self._pages = (page, t, low, high)
-        return low[:, :, :pages], high[:, :, :pages]
+        pages.low[:, :, first:count] = new_low
+        pages.high[:, :, first:count] = new_high
+        pages.centre[:, :, first:count] = (new_high + new_low) / 2
+        pages.radius[:, :, first:count] = (new_high - new_low) / 2
+        pages.done, pages.count = t, count
+        return pages
 
     def _grow(self, needed: int) -> None:
         """Room for ``needed`` positions: a quarter more than now (at least 256 more), so that a
@@ -356,9 +391,9 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         log-sum-exp."""
         target = probe.target
         rows = target.rows
-        low, high = self.page_summaries(probe.page)
+        centre, radius = self.page_geometry(probe.page)
         missed = missing_rows(
-            rows.take(q), self.keys, rows.index, rows.take(low), rows.take(high),
+            rows.take(q), self.keys, rows.index, rows.take(centre), rows.take(radius),
             rows.take(self.compact_positions[:, :, : plan.compact_width]), target.held,
             target.lo, target.hi, fast_lse.index_select(0, target.fast_index),
             page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,

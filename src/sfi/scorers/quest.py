@@ -31,15 +31,21 @@ def page_bounds(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tens
 
 def page_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """``query [B, H, G, D]`` and page bounds ``[B, H, P, D]`` -> ``[B, H, P]``, the upper bound
-    of q.k in each page summed over the G query heads.
+    of q.k in each page summed over the G query heads (see :func:`box_scores`)."""
+    return box_scores(query, (high + low) / 2, (high - low) / 2)
+
+
+def box_scores(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """:func:`page_scores` from the boxes' ``centre`` and ``radius`` ``[B, H, P, D]``.
 
     ``max(q m, q M) = q (m + M) / 2 + |q| (M - m) / 2`` per channel, so the sum over the G
-    heads is two matrix-vector products per page (no [G, P, D] intermediate)."""
+    heads is two matrix-vector products per page (no [G, P, D] intermediate); ``einsum``, as
+    batched matrix-vector products run 4-5x faster here than ``matmul`` with a [D, 1] operand
+    on CPU."""
     q = query.float()
-    centre, radius = (high + low) / 2, (high - low) / 2  # [B, H, P, D]
     summed, spread = q.sum(dim=2), q.abs().sum(dim=2)  # [B, H, D]
-    return (torch.matmul(centre, summed[..., None]) + torch.matmul(radius, spread[..., None])
-            ).squeeze(-1)
+    return (torch.einsum("bhpd,bhd->bhp", centre, summed)
+            + torch.einsum("bhpd,bhd->bhp", radius, spread))
 
 
 @dataclass(frozen=True)
