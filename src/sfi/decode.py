@@ -93,6 +93,7 @@ class StopChecker:
         self._longest = max((len(s) for s in self.stop), default=0)
         self._scanned = 0  # characters of the text already scanned without a stop string
         self._cut_at: int | None = None
+        self._last_scanned: str | None = None  # the decoded text the last scan looked at
 
     @property
     def done(self) -> bool:
@@ -125,6 +126,9 @@ class StopChecker:
         if self._cut_at is not None:
             return self._cut_at
         text = self.decoded()
+        if text is self._last_scanned:  # no token since the last scan
+            return None
+        self._last_scanned = text
         start = max(0, self._scanned - self._longest - _DECODE_MARGIN)
         hits = [at for at in (text.find(s, start) for s in self.stop) if at >= 0]
         if hits:

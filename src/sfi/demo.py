@@ -24,10 +24,17 @@ class DemoResult:
     """The question, the hidden fact, and each side's answer."""
 
     sample: Sample
-    question: str
-    fact: str
     full: GenerateResult
     sfi: GenerateResult
+
+    @property
+    def question(self) -> str:
+        return self.sample.question
+
+    @property
+    def fact(self) -> str:
+        """The hidden sentence."""
+        return self.sample.needles[0]
 
     def correct(self, result: GenerateResult) -> bool:
         return score(self.sample.task, result.text, self.sample.answers) == 100.0
@@ -47,5 +54,4 @@ def run_demo(model: torch.nn.Module, tokenizer: Any, *, context: int = 3500, see
         results[mode] = generate(model, tokenizer, sample.text, mode=mode,
                                  config=config if mode == "sfi" else None,
                                  max_new_tokens=max_new_tokens)
-    return DemoResult(sample, sample.question, sample.needles[0], results["full"],
-                      results["sfi"])
+    return DemoResult(sample, results["full"], results["sfi"])

@@ -222,7 +222,6 @@ class StepPlan:
     pad_bias: torch.Tensor | None
     compact_width: int
     dense_layers: tuple[int, ...] = ()
-    memories: tuple[Memory | None, ...] = ()
     probes: tuple[Probe, ...] = ()
 
     def probes_at(self, layer_idx: int) -> list[Probe]:
@@ -312,7 +311,6 @@ class Planner:
                         pad_bias=self.pad_bias(total, device) if reads_densely else None,
                         compact_width=width,
                         dense_layers=tuple(s.config.dense_layers for s in self.sequences),
-                        memories=tuple(s.memory for s in self.sequences),
                         probes=self._probes(fast_rows, width, device))
 
     def _probes(self, fast_rows: list[int], width: int, device: torch.device

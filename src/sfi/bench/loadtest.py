@@ -81,7 +81,6 @@ async def _client(http: httpx.AsyncClient, url: str, prompts: list[str], index: 
 
 def join_stall(gap_spans: list[tuple[float, float]], joins: list[tuple[float, float]]) -> float:
     """The longest inter-token gap that overlaps some request's wait for its first token."""
-    joins = sorted(joins)
     worst = 0.0
     for a, b in gap_spans:
         if b - a > worst and any(s < b and f > a for s, f in joins):

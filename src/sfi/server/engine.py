@@ -374,8 +374,7 @@ class Engine:
         """Whether ``request``'s KV fits beside the running batch's, under ``max_kv_tokens``."""
         if self.max_kv_tokens is None:
             return True
-        held = sum(kv_tokens(r) for r in self._active)
-        return held + kv_tokens(request) <= self.max_kv_tokens
+        return self.kv_tokens_held + kv_tokens(request) <= self.max_kv_tokens
 
     @property
     def kv_tokens_held(self) -> int:
@@ -397,7 +396,6 @@ class Engine:
         try:
             join.cache.prompt_continues = end < join.length
             logits = prefill(self.model, join.cache, join.ids[:, start:end], start=start)
-            join.cache.prompt_continues = False
             join.done += 1
             self.metrics.prefill_chunks += 1
             give_back_freed_memory()  # a chunk's activations
