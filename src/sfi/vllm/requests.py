@@ -1,0 +1,274 @@
+"""What each request of a vLLM batch does at a step, decided from the batch's shapes alone.
+
+vLLM's attention metadata names no request, so a request is known by the first KV block of its
+block table (unique among live requests while prefix caching is off): a row whose context is
+all new (``seq_len == query_len``) starts a request afresh; a known key continues one. Every
+tensor-parallel rank sees the same block tables and lengths, so every rank decides the same
+without talking.
+
+The decisions mirror :class:`sfi.planner.Planner` for one sequence without padding:
+- a prefill chunk (several query tokens) attends densely and records its last W queries, the
+  evidence of the first selection;
+- a decode row whose context is shorter than S + K + R attends densely;
+- the first decode row after a prompt long enough to select from **selects** from the prompt's
+  last W queries (the geometry of the prompt's end, as the transformers path selects at the
+  prefill) and then reads its new memory: a fast step;
+- a decode row whose trigger fires (or that has no memory yet) takes a **slow** step: dense
+  attention, then a refresh from its own query at the step's length;
+- otherwise a **fast** step: the row's memory (sinks + selected + recent window, packed in a
+  slot of the plugin's buffer) plus the new token.
+
+Triggers must not need the token ids (vLLM's attention never sees them): ``fixed``, ``random``
+and ``bootstrap``. A slot has room for S + K + R + the longest reuse (:data:`BOOTSTRAP_REUSE`
+tokens for the bootstrap-only trigger); a row whose memory would outgrow it refreshes (reason
+``capacity``; only the bootstrap-only trigger reaches it, where the transformers path would not
+refresh).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sfi.config import SFIConfig
+from sfi.errors import SFIConfigError
+from sfi.planner import Memory, SequenceState, refresh_memory
+from sfi.scorers import Scorer
+from sfi.triggers import BOOTSTRAP, make_trigger
+
+DENSE, SLOW, SELECT, FAST = "dense", "slow", "select", "fast"
+CAPACITY = "capacity"
+TOKEN_FREE_TRIGGERS = ("fixed", "random", "bootstrap")
+NO_TOKEN = -1  # what the triggers are shown in place of the input token
+BOOTSTRAP_REUSE = 1024  # new tokens a bootstrap-only memory serves before it must refresh
+
+
+def check_plugin_config(config: SFIConfig) -> None:
+    """Refuse, by name, what the vLLM plugin does not carry out."""
+    if config.trigger not in TOKEN_FREE_TRIGGERS:
+        raise SFIConfigError(
+            f"trigger={config.trigger!r} needs the input token ids, which vLLM's attention "
+            f"backends never see; use one of {', '.join(TOKEN_FREE_TRIGGERS)} "
+            "(e.g. trigger=fixed, period=32)")
+    unsupported = {"coverage_layers": 0, "pin_fraction": 0.0, "hysteresis": 0.0}
+    for name, neutral in unsupported.items():
+        if getattr(config, name) != neutral:
+            raise SFIConfigError(f"{name}={getattr(config, name)!r} is not supported by the vLLM "
+                                 f"plugin yet; set {name}={neutral}")
+
+
+def longest_reuse(config: SFIConfig) -> int:
+    """The most decode steps a memory serves before it refreshes."""
+    if config.trigger == "fixed":
+        return config.period
+    if config.trigger == "random":
+        return config.random_period_max
+    return BOOTSTRAP_REUSE
+
+
+def slot_capacity(config: SFIConfig, max_model_len: int) -> int:
+    """Entries one slot holds: sinks + the largest K + the recent window + the longest reuse."""
+    return config.sink + config.budget(max_model_len) + config.recent + longest_reuse(config) + 1
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """What one row of the batch does at this step.
+
+    Attributes:
+        row: the row in the batch.
+        kind: ``dense`` (the stock kernel on vLLM's cache), ``slow`` (dense, then refresh),
+            ``select`` (first selection from the prompt's queries, then fast) or ``fast``.
+        slot: the row's slot in the plugin's buffer (None for rows the plugin does not track).
+        total: T, the row's context after this step (vLLM's ``seq_len``).
+        memory: for ``slow`` and ``select``, the memory built at this step.
+        length: entries of the slot a fast read covers at this step (``select`` and ``fast``:
+            including the new token); for ``slow``, the entries the refresh packs.
+        record: prompt queries to record from this row (its last ``record`` query tokens).
+        evidence: for ``select``, how many recorded prompt queries are evidence.
+        reason: why a slow step refreshes.
+    """
+
+    row: int
+    kind: str
+    slot: int | None
+    total: int
+    memory: Memory | None = None
+    length: int = 0
+    record: int = 0
+    evidence: int = 0
+    reason: str | None = None
+
+
+@dataclass
+class RequestState:
+    """One live request's slow-fast state on this worker."""
+
+    key: int
+    slot: int
+    seq: SequenceState
+    prompt_length: int = 0
+    recorded: int = 0  # prompt queries recorded (at most W)
+    length: int = 0  # entries its slot holds (0: no memory)
+    seen: int = 0  # the last step it took part in
+
+
+@dataclass
+class BookStats:
+    """Counters over every request this worker served (what tests and benchmarks read)."""
+
+    steps: int = 0
+    rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys((DENSE, SLOW, SELECT,
+                                                                         FAST), 0))
+    mixed_steps: int = 0  # steps with both dense-reading and fast rows
+    requests: int = 0
+    slots_reused: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class RequestBook:
+    """The slow-fast state of every live request of one worker, and each step's decisions.
+
+    Args:
+        config: the SFI configuration every request uses.
+        slots: how many requests may hold a fast memory at once (vLLM's ``max_num_seqs``).
+        capacity: entries per slot (:func:`slot_capacity`).
+        scorer: what ranks positions at a refresh.
+    """
+
+    def __init__(self, config: SFIConfig, slots: int, capacity: int, scorer: Scorer) -> None:
+        check_plugin_config(config)
+        self.config = config
+        self.capacity = capacity
+        self.scorer = scorer
+        self.requests: dict[int, RequestState] = {}
+        self.slots = slots
+        self.free = list(range(slots))[::-1]
+        self.used_slots: set[int] = set()
+        self.stats = BookStats()
+        self._started = 0
+
+    # --- the step --------------------------------------------------------------------------
+    def plan(self, keys: Sequence[int], query_lens: Sequence[int], seq_lens: Sequence[int]
+             ) -> list[RowPlan]:
+        """Decide what each row does, and commit it (the step is about to run).
+
+        ``keys`` identify the rows' requests (their first KV block); ``query_lens`` and
+        ``seq_lens`` are vLLM's per-row query and context lengths."""
+        self.stats.steps += 1
+        step = self.stats.steps
+        counts: dict[int, int] = {}
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+        plans = []
+        for row, (key, q, t) in enumerate(zip(keys, query_lens, seq_lens)):
+            if counts[key] > 1:  # not a request's own block (a warm-up batch): stock attention
+                plans.append(RowPlan(row, DENSE, None, t))
+                continue
+            state = self._state(key, fresh=(q == t), step=step, live=set(keys))
+            state.seen = step
+            plans.append(self._decide(row, state, q, t))
+        kinds = [p.kind for p in plans]
+        for kind in kinds:
+            self.stats.rows[kind] += 1
+        if any(k in (SELECT, FAST) for k in kinds) and any(k in (DENSE, SLOW) for k in kinds):
+            self.stats.mixed_steps += 1
+        return plans
+
+    def _state(self, key: int, fresh: bool, step: int, live: set[int]) -> RequestState:
+        state = self.requests.get(key)
+        if state is not None and not fresh:
+            return state
+        if state is not None:  # the key's old request ended; its block starts a new one
+            self._release(state)
+        slot = self._take_slot(live)
+        c = self.config
+        self._started += 1
+        seq = SequenceState(pad=0, config=c, trigger=make_trigger(c, None, self._started - 1),
+                            scorer=self.scorer)
+        state = RequestState(key=key, slot=slot, seq=seq)
+        self.requests[key] = state
+        self.stats.requests += 1
+        return state
+
+    def _take_slot(self, live: set[int]) -> int:
+        if not self.free:  # requests that left the batch (finished) give their slots back
+            gone = sorted((s for s in self.requests.values() if s.key not in live),
+                          key=lambda s: s.seen)
+            if not gone:
+                raise RuntimeError("more live requests than plugin slots (max_num_seqs)")
+            self._release(gone[0])
+        slot = self.free.pop()
+        if slot in self.used_slots:
+            self.stats.slots_reused += 1
+        self.used_slots.add(slot)
+        return slot
+
+    def _release(self, state: RequestState) -> None:
+        del self.requests[state.key]
+        self.free.append(state.slot)
+
+    def _decide(self, row: int, state: RequestState, q: int, t: int) -> RowPlan:
+        c, seq = self.config, state.seq
+        if q > 1:  # a prompt chunk
+            record = min(c.evidence_window, q)
+            state.recorded = min(c.evidence_window, state.recorded + q)
+            state.prompt_length = t
+            return RowPlan(row, DENSE, state.slot, t, record=record)
+        if not c.sparse_pays(t):  # nothing to save yet
+            steps = seq.steps_since_refresh + 1
+            seq.trigger.advance(NO_TOKEN, steps)
+            seq.steps_since_refresh = steps
+            seq.stats.dense_steps += 1
+            return RowPlan(row, DENSE, state.slot, t)
+        steps = seq.steps_since_refresh + 1
+        plan: RowPlan | None = None
+        if seq.memory is None and state.prompt_length == t - 1 and state.recorded \
+                and c.sparse_pays(t - 1):
+            # the prompt's selection (made at its end, as at the transformers path's prefill)
+            memory = self._memory(t - 1)
+            seq.memory, seq.steps_since_refresh = memory, 0
+            steps = 1
+            seq.stats.refresh_reasons[BOOTSTRAP] += 1
+            self._count(BOOTSTRAP)
+            length = memory.sink_count + memory.k + (t - 1 - memory.recent_start)
+            plan = RowPlan(row, SELECT, state.slot, t, memory=memory, length=length + 1,
+                           evidence=state.recorded)
+        reason = None
+        if seq.memory is None:
+            reason = BOOTSTRAP
+        else:
+            reason = seq.trigger.decide(NO_TOKEN, steps)
+            if reason is None and state.length + 1 > self.capacity and plan is None:
+                reason = CAPACITY
+        seq.trigger.advance(NO_TOKEN, steps)
+        if reason is not None:  # slow: dense now, then a memory of the step's length
+            memory = self._memory(t)
+            seq.memory, seq.steps_since_refresh = memory, 0
+            state.length = memory.sink_count + memory.k + (t - memory.recent_start)
+            seq.stats.slow_steps += 1
+            if reason != CAPACITY:
+                seq.stats.refresh_reasons[reason] += 1
+            self._count(reason)
+            return RowPlan(row, SLOW, state.slot, t, memory=memory, length=state.length,
+                           reason=reason)
+        seq.steps_since_refresh = steps
+        memory = seq.memory
+        seq.stats.record_fast_step(memory.read(t) / t)
+        if plan is not None:
+            state.length = plan.length
+            return plan
+        state.length += 1
+        return RowPlan(row, FAST, state.slot, t, length=state.length)
+
+    def _memory(self, total: int) -> Memory:
+        c = self.config
+        return refresh_memory(total, 0, c.sink, c.recent, c.budget(total))
+
+    def _count(self, reason: str) -> None:
+        self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
+
+
+def blocks_per_slot(capacity: int, block_size: int) -> int:
+    return math.ceil(capacity / block_size)

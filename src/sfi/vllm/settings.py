@@ -1,0 +1,55 @@
+"""Where the vLLM plugin's SFI configuration comes from: ``SFI_VLLM``, or :func:`configure`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sfi.config import SFIConfig, parse_overrides
+from sfi.errors import SFIConfigError
+from sfi.vllm.requests import check_plugin_config
+
+ENV = "SFI_VLLM"
+PLUGIN_DEFAULTS: dict[str, Any] = {"trigger": "fixed", "coverage_layers": 0}
+
+
+def parse_config(spec: str) -> SFIConfig:
+    """The SFI configuration of an ``SFI_VLLM`` value: ``name=value`` items separated by
+    commas, ``preset`` (``default`` or ``paper``) and any :class:`sfi.SFIConfig` field."""
+    items = [item.strip() for item in spec.split(",") if item.strip()]
+    preset = "default"
+    rest = []
+    for item in items:
+        name, _, value = item.partition("=")
+        if name.strip() == "preset":
+            preset = value.strip()
+        else:
+            rest.append(item)
+    overrides = parse_overrides(rest, where=ENV)
+    if preset == "paper" and "trigger" not in overrides:
+        raise SFIConfigError(
+            f"{ENV}: the paper preset's sentence trigger needs the input tokens, which vLLM's "
+            "attention never sees; add trigger=fixed (and a period) to use it with vLLM")
+    values = {**PLUGIN_DEFAULTS, **overrides} if preset == "default" else overrides
+    config = SFIConfig.from_preset(preset, **values)
+    check_plugin_config(config)
+    return config
+
+
+_config: SFIConfig | None = None
+_generation = 0
+
+
+def active_config() -> tuple[SFIConfig | None, int]:
+    """The configuration the plugin applies now (None: vLLM runs stock), and how many times
+    it was set (a new setting starts a new request book)."""
+    return _config, _generation
+
+
+def configure(config: SFIConfig | None) -> None:
+    """Set (or, with None, switch off) the configuration in this process, for an engine that
+    runs in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the next step starts from a new book."""
+    global _config, _generation
+    if config is not None:
+        check_plugin_config(config)
+    _config = config
+    _generation += 1

@@ -1,0 +1,195 @@
+"""The vLLM plugin's pure parts (no vLLM needed): the per-request decisions mirror the
+transformers path's planner, requests are told apart by their first block, slots are reused,
+paged reads undo a kernel's packed layout, and ``SFI_VLLM`` is parsed strictly.
+
+The plugin inside a running vLLM engine is tested in ``tests_vllm/`` (its own environment)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sfi
+from sfi import SFIConfig
+from sfi.errors import SFIConfigError
+from sfi.planner import refresh_memory
+from sfi.scorers.registry import make_scorer
+from sfi.vllm.paged import memory_positions, read_positions, read_prefix, select_positions
+from sfi.vllm.requests import DENSE, FAST, SELECT, SLOW, RequestBook, slot_capacity
+from sfi.vllm.settings import parse_config
+
+SMALL = dict(sink=2, recent=8, k_head=16, coverage_layers=0)
+
+
+def book(config: SFIConfig, slots: int = 4) -> RequestBook:
+    return RequestBook(config, slots, slot_capacity(config, 4096), make_scorer("sfi", config))
+
+
+def run_request(requests: RequestBook, key: int, prompt: int, new_tokens: int,
+                chunk: int | None = None) -> list[str]:
+    """The kinds of one request's steps: its prompt in chunks, then ``new_tokens - 1`` decode
+    steps (the first new token comes from the prefill, as in vLLM and sfi.generate)."""
+    kinds, done = [], 0
+    while done < prompt:
+        q = min(chunk or prompt, prompt - done)
+        done += q
+        kinds.append(requests.plan([key], [q], [done])[0].kind)
+    for step in range(1, new_tokens):
+        kinds.append(requests.plan([key], [1], [prompt + step])[0].kind)
+    return kinds
+
+
+@pytest.mark.parametrize("prompt, trigger", [
+    (60, dict(trigger="fixed", period=5)),  # selects from the prompt, refreshes every 5 steps
+    (20, dict(trigger="fixed", period=4)),  # too short at first: dense, then a slow bootstrap
+    (60, dict(trigger="random", random_period_min=2, random_period_max=6, seed=3)),
+    (60, dict(trigger="bootstrap")),
+])
+def test_decisions_match_the_transformers_planner(tiny_llama_with_tokenizer, prompt, trigger):
+    """Same config, same prompt length: the book's slow/fast/dense counts and refresh reasons
+    equal what sfi.generate's planner recorded."""
+    model, tokenizer = tiny_llama_with_tokenizer
+    config = SFIConfig(**SMALL, **trigger)
+    ids = torch.randint(300, 5000, (prompt,), generator=torch.Generator().manual_seed(0))
+    text = tokenizer.decode(ids)
+    prompt_tokens = len(tokenizer(text)["input_ids"])
+    result = sfi.generate(model, tokenizer, text, max_new_tokens=24, config=config)
+    assert result.finish_reason == "length"
+    requests = book(config)
+    kinds = run_request(requests, key=7, prompt=prompt_tokens, new_tokens=24)
+    ours = requests.requests[7].seq.stats
+    theirs = result.stats
+    assert (ours.slow_steps, ours.fast_steps, ours.dense_steps) == \
+        (theirs.slow_steps, theirs.fast_steps, theirs.dense_steps)
+    assert ours.refresh_reasons == theirs.refresh_reasons
+    assert kinds[0] == DENSE and (SELECT in kinds) == (prompt_tokens >= 26)
+
+
+def test_chunked_prompt_selects_like_a_whole_one():
+    config = SFIConfig(**SMALL, trigger="fixed", period=5)
+    whole = run_request(book(config), 1, prompt=64, new_tokens=12)
+    chunked = run_request(book(config), 1, prompt=64, new_tokens=12, chunk=10)
+    assert chunked[:7] == [DENSE] * 7
+    assert chunked[7:] == whole[1:]
+
+
+def test_lengths_follow_the_memory():
+    """A select row's slot holds sinks + K + the recent window + the new token; each fast
+    step adds one; a slow step's refresh packs up to and with its own token."""
+    config = SFIConfig(**SMALL, trigger="fixed", period=3)
+    requests = book(config)
+    requests.plan([5], [40], [40])
+    first = requests.plan([5], [1], [41])[0]
+    assert first.kind == SELECT and first.memory == refresh_memory(40, 0, 2, 8, 16)
+    assert first.length == 2 + 16 + 8 + 1 and first.evidence == 16
+    second = requests.plan([5], [1], [42])[0]
+    assert second.kind == FAST and second.length == first.length + 1
+    slow = requests.plan([5], [1], [43])[0]  # the third step since the prompt's selection
+    assert slow.kind == SLOW and slow.reason == "period"
+    assert slow.length == 2 + 16 + 8 and slow.memory.recent_start == 43 - 8
+    assert requests.plan([5], [1], [44])[0].length == slow.length + 1
+
+
+def test_requests_are_told_apart_by_their_first_block():
+    config = SFIConfig(**SMALL, trigger="fixed", period=50)
+    requests = book(config, slots=2)
+    requests.plan([3, 9], [40, 30], [40, 30])
+    plans = requests.plan([3, 9], [1, 1], [41, 31])
+    assert [p.kind for p in plans] == [SELECT, SELECT]
+    assert plans[0].slot != plans[1].slot
+    # rows sharing a first block are no request's own (a warm-up batch): stock attention
+    assert [p.kind for p in requests.plan([0, 0], [1, 1], [90, 90])] == [DENSE, DENSE]
+    # request 9 finished; a new request starts on block 9 (its context is all new): fresh state
+    plans = requests.plan([3, 9], [1, 35], [42, 35])
+    assert [p.kind for p in plans] == [FAST, DENSE]
+    assert requests.requests[9].prompt_length == 35 and requests.requests[9].seq.memory is None
+
+
+def test_slots_of_finished_requests_are_reused():
+    config = SFIConfig(**SMALL, trigger="fixed", period=50)
+    requests = book(config, slots=2)
+    requests.plan([1, 2], [40, 40], [40, 40])
+    requests.plan([1, 2], [1, 1], [41, 41])
+    # 1 and 2 finished; 3 and 4 take their slots
+    requests.plan([3, 4], [40, 40], [40, 40])
+    assert requests.stats.slots_reused == 2
+    assert sorted(s.slot for s in requests.requests.values()) == [0, 1]
+    with pytest.raises(RuntimeError, match="more live requests than plugin slots"):
+        requests.plan([3, 4, 5], [1, 1, 40], [41, 41, 40])
+
+
+def test_a_memory_that_outgrows_its_slot_refreshes():
+    config = SFIConfig(**SMALL, trigger="bootstrap")
+    requests = book(config)
+    capacity = requests.capacity
+    kinds = run_request(requests, 1, prompt=40, new_tokens=capacity)
+    assert kinds.count(SLOW) >= 1 and requests.stats.reasons.get("capacity", 0) >= 1
+    lengths = [requests.plan([1], [1], [40 + capacity + i])[0].length for i in range(40)]
+    assert max(lengths) <= capacity
+
+
+def packed(natural: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``natural [NB, H, bs, D]`` stored the way a kernel packs it (``order``)."""
+    nb, h, bs, d = natural.shape
+    flat = torch.empty(nb, h, bs * d)
+    flat[:, :, order] = natural.reshape(nb, h, bs * d)
+    return flat.view(nb, h, bs, d)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_paged_reads_return_each_position(transposed):
+    nb, h, bs, d = 6, 3, 4, 5
+    natural = torch.randn(nb, h, bs, d)
+    order = None
+    half = natural
+    if transposed:  # dimension-major blocks, as vLLM's CPU kernel stores keys
+        order = torch.arange(bs * d).view(d, bs).t().reshape(-1)
+        half = packed(natural, order)
+    block_row = torch.tensor([4, 1, 5, 0], dtype=torch.int32)
+    expected = torch.cat([natural[b] for b in block_row.tolist()], dim=1)  # [H, 16, D]
+    assert torch.equal(read_prefix(half, block_row, 14, order), expected[:, :14])
+    positions = torch.tensor([[0, 5, 13], [3, 4, 12], [1, 2, 15]])
+    got = read_positions(half, block_row, positions, order)
+    assert torch.equal(got, torch.stack([expected[i, positions[i]] for i in range(h)]))
+
+
+def test_selection_lies_in_the_middle_and_covers_it_with_a_full_budget():
+    torch.manual_seed(0)
+    config = SFIConfig(**SMALL)
+    scorer = make_scorer("sfi", config)
+    keys, queries = torch.randn(3, 60, 16), torch.randn(4, 6, 16)
+    memory = refresh_memory(60, 0, 2, 8, 16)
+    selected = select_positions(scorer, memory, 0, config.page_size, queries, keys, 0.25, None)
+    assert selected.shape == (3, 16)
+    assert bool(((selected >= memory.sink_end) & (selected < memory.recent_start)).all())
+    assert bool((selected.diff(dim=-1) > 0).all())
+    everything = refresh_memory(60, 0, 2, 8, 1000)
+    selected = select_positions(scorer, everything, 0, 1, queries, keys, 0.25, None)
+    assert torch.equal(memory_positions(everything, selected, 60), torch.arange(60).expand(3, -1))
+
+
+def test_sfi_vllm_is_parsed_strictly():
+    config = parse_config("k_head=512, period=16")
+    assert (config.k_head, config.period, config.trigger, config.coverage_layers) == \
+        (512, 16, "fixed", 0)
+    assert config.pool_kernel == SFIConfig().pool_kernel
+    assert parse_config("preset=paper,trigger=random").nms_strength == 1.0
+    with pytest.raises(SFIConfigError, match="sentence trigger needs the input tokens"):
+        parse_config("preset=paper")
+    with pytest.raises(SFIConfigError, match="trigger='sentence' needs the input token ids"):
+        parse_config("trigger=sentence")
+    with pytest.raises(SFIConfigError, match="coverage_layers=8 is not supported"):
+        parse_config("coverage_layers=8")
+    with pytest.raises(SFIConfigError, match="field of SFIConfig"):
+        parse_config("k_heads=3")
+
+
+def test_the_plugin_is_inert_without_configuration(monkeypatch):
+    from sfi.vllm import register
+    from sfi.vllm.settings import active_config
+
+    monkeypatch.delenv("SFI_VLLM", raising=False)
+    before = active_config()
+    register()  # without SFI_VLLM: nothing imported from vLLM, nothing configured
+    assert active_config() == before
+
