@@ -1,0 +1,141 @@
+"""SFI inside a running vLLM engine: exact with a budget that covers the context, fast steps
+that read only their slot, mixed and reused batches, every process, and the same tokens as the
+transformers path (``sfi.generate``) with the same configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import SFI, generate
+
+from sfi.vllm import backend
+from sfi.vllm.backend import SFICPUAttentionImpl, SFIMetadata
+from sfi.vllm.requests import FAST
+
+EVERYTHING = replace(SFI, k_head=4096, force_sparse=True)  # K covers every context here
+
+
+def stats():
+    requests = backend.book()
+    assert requests is not None, "the SFI backend never ran"
+    return requests.stats
+
+
+def test_the_backend_is_installed(smol):
+    from importlib.metadata import entry_points
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert any(e.value == "sfi.vllm:register" for e in entry_points(group="vllm.general_plugins"))
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is backend.SFICPUBackend
+
+
+def test_a_budget_covering_the_context_reproduces_stock_vllm(smol, essay_prompts):
+    stock = generate(smol, essay_prompts, None)
+    assert backend.book() is None  # switched off: the stock metadata, untouched
+    exact = generate(smol, essay_prompts, EVERYTHING)
+    assert exact == stock
+    assert stats().rows["fast"] >= 3 * 25 and stats().rows["slow"] >= 3
+
+
+def test_a_small_budget_runs_fast_steps_and_changes_the_output(smol, essay_prompts):
+    stock = generate(smol, essay_prompts, None)
+    small = generate(smol, essay_prompts, SFI)
+    assert stats().rows["fast"] >= 3 * 25
+    assert small != stock  # K = 128 of 700-1,500 tokens: not full attention any more
+
+
+@contextmanager
+def poisoned_fast_steps() -> Iterator[list[str]]:
+    """Fill the vLLM cache blocks of every row with noise before each all-fast step: a fast
+    step must not read them (its slot holds all it needs); a later slow step reads them."""
+    original = SFICPUAttentionImpl.forward
+    poisoned: list[str] = []
+
+    def forward(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs):
+        if isinstance(md, SFIMetadata) and all(p.kind == FAST for p in md.plans):
+            bs = kv_cache.shape[2]
+            for plan in md.plans:
+                blocks = md.block_table[plan.row][: -(-plan.total // bs)].long()
+                kv_cache[blocks] = torch.randn_like(kv_cache[blocks]) * 10
+            poisoned.append(layer.layer_name)
+        return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SFICPUAttentionImpl, "forward", forward)
+        yield poisoned
+
+
+def test_fast_steps_read_only_their_slot(smol, essay_prompts):
+    prompt = essay_prompts[:1]
+    never_refresh = replace(SFI, trigger="bootstrap")
+    clean = {c: generate(smol, prompt, c, max_tokens=24) for c in (never_refresh, SFI)}
+    with poisoned_fast_steps() as poisoned:
+        # without a refresh, nothing reads vLLM's cache after the prompt: the same tokens
+        assert generate(smol, prompt, never_refresh, max_tokens=24) == clean[never_refresh]
+        assert len(poisoned) >= 20 * 30  # every layer of every fast step
+        # a slow step (every 8 steps) reads the poisoned cache densely: the tokens change
+        assert generate(smol, prompt, SFI, max_tokens=24) != clean[SFI]
+
+
+def test_mixed_batches_and_reused_slots_equal_requests_alone(smol, essay_prompts, tokenizer):
+    short = tokenizer("The capital of France is")["input_ids"]
+    prompts = [essay_prompts[0], short, essay_prompts[1], essay_prompts[2], short,
+               essay_prompts[0][:900]]
+    alone = [generate(smol, [p], SFI)[0] for p in prompts]
+    together = generate(smol, prompts, SFI)  # 6 requests through 4 slots
+    s = stats()
+    assert together == alone
+    assert s.mixed_steps > 0  # dense (short prompt) and fast rows in one step
+    assert s.requests == 6 and s.slots_reused >= 2
+
+
+def test_same_tokens_as_the_transformers_path(smol, essay_prompts):
+    """Where stock vLLM and transformers' full attention agree, vLLM + SFI and sfi.generate
+    agree with the same configuration."""
+    import sfi
+
+    model, tokenizer = sfi.load("default")
+    stock = generate(smol, essay_prompts, None)
+    ours = generate(smol, essay_prompts, SFI)
+    for prompt, vllm_full, vllm_sfi in zip(essay_prompts, stock, ours):
+        text = tokenizer.decode(prompt)
+        assert tokenizer(text)["input_ids"] == prompt
+        full = sfi.generate(model, tokenizer, text, max_new_tokens=32, mode="full")
+        assert list(full.token_ids) == vllm_full
+        slow_fast = sfi.generate(model, tokenizer, text, max_new_tokens=32, config=SFI)
+        assert list(slow_fast.token_ids) == vllm_sfi
+        assert slow_fast.stats.fast_steps >= 25
+
+
+def test_the_plugin_runs_in_vllm_worker_processes(default_path, essay_prompts, smol):
+    """A stock multi-process engine (engine core and worker in their own processes) loads the
+    plugin from ``SFI_VLLM`` and gives the tokens of the in-process SFI engine."""
+    expected = generate(smol, essay_prompts[:2], SFI, max_tokens=16)
+    script = (
+        "import json, sys\n"
+        "from vllm import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        "    prompts = json.loads(sys.stdin.read())\n"
+        f"    llm = LLM(model={str(default_path)!r}, dtype='float32', max_model_len=4096,\n"
+        "              max_num_seqs=4, enable_prefix_caching=False, seed=0, enforce_eager=True,\n"
+        "              kv_cache_memory_bytes=1 << 28)\n"
+        "    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)\n"
+        "    out = llm.generate([{'prompt_token_ids': p} for p in prompts], params,\n"
+        "                       use_tqdm=False)\n"
+        "    print('TOKENS', json.dumps([list(o.outputs[0].token_ids) for o in out]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["SFI_VLLM"] = "k_head=128,recent=64,period=8"
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(essay_prompts[:2]),
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert lines, done.stderr[-3000:]
+    assert json.loads(lines[0][len("TOKENS "):]) == expected
