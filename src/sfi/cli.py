@@ -239,6 +239,9 @@ def bench_vllm_cmd(
     """Decode throughput of stock vLLM and vLLM + SFI (one engine), beside sfi's own engine.
 
     Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi)."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the results
     try:
         import vllm  # noqa: F401
     except ImportError:

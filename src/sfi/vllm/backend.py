@@ -33,6 +33,8 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from sfi.scorers.registry import make_scorer
 from sfi.vllm.paged import (
+    DIM_MAJOR,
+    KeyLayout,
     memory_positions,
     read_positions,
     read_prefix,
@@ -215,18 +217,16 @@ def _store(layer: Any, impl: CPUAttentionBackendImpl, cache: torch.Tensor, keys:
                                    kv_cache_dtype=impl.kv_cache_dtype)
 
 
-_orders: dict[tuple[Any, ...], torch.Tensor | None] = {}
+_layouts: dict[tuple[Any, ...], KeyLayout] = {}
 
 
-def _key_order(layer: Any, impl: CPUAttentionBackendImpl, cache: torch.Tensor
-               ) -> torch.Tensor | None:
-    """Where vLLM's cache op puts entry (offset, dim) of a key block: ``[bs * D]`` storage
-    indices, found once by writing a probe block whose entries are all distinct (None when
-    the block is plainly ``[bs, D]``)."""
+def _key_layout(layer: Any, impl: CPUAttentionBackendImpl, cache: torch.Tensor) -> KeyLayout:
+    """How vLLM's cache op stores a key block (:data:`~sfi.vllm.paged.KeyLayout`), found once
+    by writing a probe block whose entries are all distinct."""
     _, _, bs, two_d = cache.shape
     d = two_d // 2
     key = (layer.isa, bs, d, cache.dtype)
-    if key not in _orders:
+    if key not in _layouts:
         bits = {2: torch.int16, 4: torch.int32}.get(cache.dtype.itemsize)
         if bits is None:
             raise RuntimeError(f"sfi reads vLLM's CPU cache in 16- or 32-bit dtypes, not "
@@ -240,8 +240,10 @@ def _key_order(layer: Any, impl: CPUAttentionBackendImpl, cache: torch.Tensor
             raise RuntimeError(f"vLLM's CPU cache op (isa {layer.isa}) does not store a key "
                                "block as a permutation of its entries; sfi cannot read it")
         order = torch.tensor([where[m] for m in range(1, bs * d + 1)])
-        _orders[key] = None if bool((order == torch.arange(bs * d)).all()) else order
-    return _orders[key]
+        dim_major = torch.arange(bs * d).view(d, bs).t().reshape(-1)
+        _layouts[key] = (None if torch.equal(order, torch.arange(bs * d))
+                         else DIM_MAJOR if torch.equal(order, dim_major) else order)
+    return _layouts[key]
 
 
 class SFICPUAttentionImpl(CPUAttentionBackendImpl):
@@ -302,7 +304,7 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
         if not refreshing:
             return
         cache_keys, cache_values = _halves(kv_cache)
-        order = _key_order(layer, self, kv_cache)
+        layout = _key_layout(layer, self, kv_cache)
         requests = _book
         layer_idx = _layer_index(layer)
         for plan in refreshing:
@@ -315,7 +317,7 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
                 end = plan.total
                 start = md.query_start[plan.row]
                 queries = query[start: start + 1]
-            keys = read_prefix(cache_keys, block_row, end, order)
+            keys = read_prefix(cache_keys, block_row, end, layout)
             selected = select_positions(requests.scorer, memory, layer_idx,
                                         requests.config.page_size, queries, keys, self.scale,
                                         self.logits_soft_cap or None)

@@ -15,30 +15,39 @@ from __future__ import annotations
 
 import torch
 
-from sfi.kernels import additive_bias, causal_mask, window_logits
+from sfi.kernels import additive_bias, attention_logits, causal_mask, window_logits
 from sfi.planner import Memory
 from sfi.scorers import Evidence, Scorer
 from sfi.selector import compact_slots, selection_order
 
+KeyLayout = None | str | torch.Tensor
+"""How a kernel stores a block's ``bs * D`` key entries: None (``[bs, D]``), ``"dim-major"``
+(``[D, bs]``, as vLLM's CPU kernel stores fp32 keys), or any other order as a ``[bs * D]``
+permutation (entry (o, d) lies at ``order[o * D + d]``)."""
+
+DIM_MAJOR = "dim-major"
+
 
 def read_prefix(half: torch.Tensor, block_row: torch.Tensor, total: int,
-                order: torch.Tensor | None = None) -> torch.Tensor:
-    """``[H, T, D]``: positions ``[0, total)`` of the request whose blocks are ``block_row``.
-
-    ``order [bs * D]``: where entry (offset o, dim d) of a block lies in its ``bs * D`` storage
-    (a kernel's packed layout); None when blocks are stored ``[bs, D]``."""
-    _, h, bs, d = half.shape
+                layout: KeyLayout = None) -> torch.Tensor:
+    """``[H, T, D]``: positions ``[0, total)`` of the request whose blocks are ``block_row``,
+    stored as ``layout`` says. For a dim-major layout the result is a transposed view of a
+    contiguous ``[H, D, T]`` (what ``q @ k^T`` wants), made with one copy."""
+    nb, h, bs, d = half.shape
     blocks = block_row[: -(-total // bs)].long()
+    if isinstance(layout, str):
+        paged = half.view(nb, h, d, bs).index_select(0, blocks)  # [n, H, D, bs]
+        return paged.permute(1, 2, 0, 3).reshape(h, d, -1)[:, :, :total].transpose(1, 2)
     paged = half.index_select(0, blocks)  # [n, H, bs, D]
-    if order is not None:
-        paged = paged.reshape(-1, h, bs * d).index_select(2, order).view(-1, h, bs, d)
+    if layout is not None:
+        paged = paged.reshape(-1, h, bs * d).index_select(2, layout).view(-1, h, bs, d)
     return paged.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :total]
 
 
 def read_positions(half: torch.Tensor, block_row: torch.Tensor, positions: torch.Tensor,
                    order: torch.Tensor | None = None) -> torch.Tensor:
-    """``[H, L, D]``: head h's entry at ``positions [H, L]`` (cache positions per head);
-    ``order`` as in :func:`read_prefix`."""
+    """``[H, L, D]``: head h's entry at ``positions [H, L]`` (cache positions per head), from
+    blocks stored ``[bs, D]`` or in the ``order`` of a :data:`KeyLayout` permutation."""
     nb, h, bs, d = half.shape
     blocks = block_row.long()[positions // bs]
     heads = torch.arange(h, device=positions.device)[:, None]
@@ -65,21 +74,30 @@ def select_positions(scorer: Scorer, memory: Memory, layer_idx: int, page: int,
     of ``memory``.
 
     Args:
-        queries: ``[W, Hq, D]`` the evidence queries, the last W positions before the keys end.
+        queries: ``[W, Hq, D]`` the evidence queries, the last W positions before the keys end
+            (the logits are computed as the transformers path computes them: W = 1 as its
+            dense decode attention, W > 1 as its first selection after prefill).
         keys: ``[H, T, D]`` the request's cached keys; T is where the evidence queries end.
     """
     w, _, d = queries.shape
     h, t = keys.shape[0], keys.shape[1]
     device = keys.device
     q = queries.permute(1, 0, 2)[None]  # [1, Hq, W, D]
-    bias = additive_bias(causal_mask(t, w, device))
-    logits = window_logits(q, keys[None], bias, scale, softcap)  # [1, H, G * W, T]
+    if w == 1:  # a decode-time slow step: the logits its dense attention computes
+        logits = attention_logits(q.reshape(1, h, -1, d), keys[None], scale, softcap)
+    else:  # the prompt's last W queries, each seeing the keys up to itself
+        bias = additive_bias(causal_mask(t, w, device))
+        logits = window_logits(q, keys[None], bias, scale, softcap)  # [1, H, G * W, T]
     positions = torch.arange(t, device=device)
     lo = torch.tensor([memory.sink_end], device=device)
     hi = torch.tensor([memory.recent_start], device=device)
     candidates = (positions >= lo) & (positions < hi)
+    if keys.stride(-1) == 1:
+        norms = torch.linalg.vector_norm(keys.float(), dim=-1)
+    else:  # a transposed view (dim-major blocks): sum the squares along the D rows
+        norms = torch.square(keys.transpose(-1, -2).float()).sum(dim=-2).sqrt_()
     evidence = Evidence(
-        logits=logits, key_norms=torch.linalg.vector_norm(keys.float(), dim=-1)[None],
+        logits=logits, key_norms=norms[None],
         candidates=candidates[None], lo=lo, hi=hi, layer_idx=layer_idx, queries=w,
         query=q.reshape(1, h, -1, d), keys=keys[None])
     k = torch.tensor([memory.k], device=device)
