@@ -14,28 +14,40 @@ from sfi import SFIConfig
 from sfi.errors import SFIConfigError
 from sfi.planner import refresh_memory
 from sfi.scorers.registry import make_scorer
+from sfi.triggers import token_classes
 from sfi.vllm.paged import memory_positions, read_positions, read_prefix, select_positions
-from sfi.vllm.requests import DENSE, FAST, SELECT, SLOW, RequestBook, slot_capacity
+from sfi.vllm.requests import (
+    DENSE,
+    FAST,
+    NO_TOKEN,
+    SELECT,
+    SLOW,
+    RequestBook,
+    slot_capacity,
+)
 from sfi.vllm.settings import parse_config
 
 SMALL = dict(sink=2, recent=8, k_head=16, coverage_layers=0)
 
 
-def book(config: SFIConfig, slots: int = 4) -> RequestBook:
-    return RequestBook(config, slots, slot_capacity(config, 4096), make_scorer("sfi", config))
+def book(config: SFIConfig, slots: int = 4, classes=None) -> RequestBook:
+    return RequestBook(config, slots, slot_capacity(config, 4096), make_scorer("sfi", config),
+                       classes)
 
 
 def run_request(requests: RequestBook, key: int, prompt: int, new_tokens: int,
-                chunk: int | None = None) -> list[str]:
+                chunk: int | None = None, generated: list[int] | None = None) -> list[str]:
     """The kinds of one request's steps: its prompt in chunks, then ``new_tokens - 1`` decode
-    steps (the first new token comes from the prefill, as in vLLM and sfi.generate)."""
+    steps (the first new token comes from the prefill, as in vLLM and sfi.generate), each
+    decode step's input the previous ``generated`` token."""
     kinds, done = [], 0
     while done < prompt:
         q = min(chunk or prompt, prompt - done)
         done += q
-        kinds.append(requests.plan([key], [q], [done])[0].kind)
+        kinds.append(requests.plan([key], [q], [done], [0])[0].kind)
     for step in range(1, new_tokens):
-        kinds.append(requests.plan([key], [1], [prompt + step])[0].kind)
+        token = generated[step - 1] if generated else NO_TOKEN
+        kinds.append(requests.plan([key], [1], [prompt + step], [token])[0].kind)
     return kinds
 
 
@@ -44,6 +56,7 @@ def run_request(requests: RequestBook, key: int, prompt: int, new_tokens: int,
     (20, dict(trigger="fixed", period=4)),  # too short at first: dense, then a slow bootstrap
     (60, dict(trigger="random", random_period_min=2, random_period_max=6, seed=3)),
     (60, dict(trigger="bootstrap")),
+    (60, dict(trigger="sentence", refresh_interval=12, min_refresh_gap=2)),
 ])
 def test_decisions_match_the_transformers_planner(tiny_llama_with_tokenizer, prompt, trigger):
     """Same config, same prompt length: the book's slow/fast/dense counts and refresh reasons
@@ -55,8 +68,9 @@ def test_decisions_match_the_transformers_planner(tiny_llama_with_tokenizer, pro
     prompt_tokens = len(tokenizer(text)["input_ids"])
     result = sfi.generate(model, tokenizer, text, max_new_tokens=24, config=config)
     assert result.finish_reason == "length"
-    requests = book(config)
-    kinds = run_request(requests, key=7, prompt=prompt_tokens, new_tokens=24)
+    requests = book(config, classes=token_classes(tokenizer))
+    kinds = run_request(requests, key=7, prompt=prompt_tokens, new_tokens=24,
+                        generated=list(result.token_ids))
     ours = requests.requests[7].seq.stats
     theirs = result.stats
     assert (ours.slow_steps, ours.fast_steps, ours.dense_steps) == \
@@ -169,15 +183,12 @@ def test_selection_lies_in_the_middle_and_covers_it_with_a_full_budget():
 
 
 def test_sfi_vllm_is_parsed_strictly():
-    config = parse_config("k_head=512, period=16")
+    config = parse_config("k_head=512, trigger=fixed, period=16")
     assert (config.k_head, config.period, config.trigger, config.coverage_layers) == \
         (512, 16, "fixed", 0)
     assert config.pool_kernel == SFIConfig().pool_kernel
-    assert parse_config("preset=paper,trigger=random").nms_strength == 1.0
-    with pytest.raises(SFIConfigError, match="sentence trigger needs the input tokens"):
-        parse_config("preset=paper")
-    with pytest.raises(SFIConfigError, match="trigger='sentence' needs the input token ids"):
-        parse_config("trigger=sentence")
+    assert parse_config("preset=paper").nms_strength == 1.0
+    assert parse_config("").trigger == "sentence"
     with pytest.raises(SFIConfigError, match="coverage_layers=8 is not supported"):
         parse_config("coverage_layers=8")
     with pytest.raises(SFIConfigError, match="field of SFIConfig"):

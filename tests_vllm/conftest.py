@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["SFI_VLLM"] = "k_head=128,recent=64,period=8"
+os.environ["SFI_VLLM"] = "k_head=128,recent=64,trigger=fixed,period=8"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
@@ -25,6 +25,9 @@ from sfi import SFIConfig
 from sfi.models import load_tokenizer, resolve
 
 SFI = SFIConfig(k_head=128, recent=64, trigger="fixed", period=8, coverage_layers=0)
+# the plugin's default trigger, with a short reuse budget so that 48 tokens see refreshes
+SENTENCE = SFIConfig(k_head=128, recent=64, refresh_interval=24, min_refresh_gap=4,
+                     coverage_layers=0)
 
 
 def make_engine(path: str | Path, max_num_seqs: int = 4):

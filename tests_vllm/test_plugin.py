@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import SFI, generate
+from conftest import SENTENCE, SFI, generate
 
 from sfi.vllm import backend
 from sfi.vllm.backend import SFICPUAttentionImpl, SFIMetadata
@@ -98,22 +98,27 @@ def test_mixed_batches_and_reused_slots_equal_requests_alone(smol, essay_prompts
     assert s.requests == 6 and s.slots_reused >= 2
 
 
-def test_same_tokens_as_the_transformers_path(smol, essay_prompts):
+@pytest.mark.parametrize("config", [SFI, SENTENCE], ids=["fixed", "sentence"])
+def test_same_tokens_as_the_transformers_path(smol, essay_prompts, config):
     """Where stock vLLM and transformers' full attention agree, vLLM + SFI and sfi.generate
-    agree with the same configuration."""
+    agree with the same configuration (the sentence trigger sees the same input tokens)."""
     import sfi
 
     model, tokenizer = sfi.load("default")
-    stock = generate(smol, essay_prompts, None)
-    ours = generate(smol, essay_prompts, SFI)
+    stock = generate(smol, essay_prompts, None, max_tokens=48)
+    ours = generate(smol, essay_prompts, config, max_tokens=48)
+    reasons = dict(stats().reasons)
     for prompt, vllm_full, vllm_sfi in zip(essay_prompts, stock, ours):
         text = tokenizer.decode(prompt)
         assert tokenizer(text)["input_ids"] == prompt
-        full = sfi.generate(model, tokenizer, text, max_new_tokens=32, mode="full")
+        full = sfi.generate(model, tokenizer, text, max_new_tokens=48, mode="full")
         assert list(full.token_ids) == vllm_full
-        slow_fast = sfi.generate(model, tokenizer, text, max_new_tokens=32, config=SFI)
+        slow_fast = sfi.generate(model, tokenizer, text, max_new_tokens=48, config=config)
         assert list(slow_fast.token_ids) == vllm_sfi
-        assert slow_fast.stats.fast_steps >= 25
+        assert slow_fast.stats.fast_steps >= 30
+    assert sum(reasons.values()) > 3  # refreshes beyond the three first selections
+    if config.trigger == "sentence":
+        assert reasons.get("sentence", 0) + reasons.get("interval", 0) >= 3
 
 
 def test_the_plugin_runs_in_vllm_worker_processes(default_path, essay_prompts, smol):
@@ -133,7 +138,7 @@ def test_the_plugin_runs_in_vllm_worker_processes(default_path, essay_prompts, s
         "                       use_tqdm=False)\n"
         "    print('TOKENS', json.dumps([list(o.outputs[0].token_ids) for o in out]))\n")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["SFI_VLLM"] = "k_head=128,recent=64,period=8"
+    env["SFI_VLLM"] = "k_head=128,recent=64,trigger=fixed,period=8"
     done = subprocess.run([sys.executable, "-c", script], input=json.dumps(essay_prompts[:2]),
                           capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]

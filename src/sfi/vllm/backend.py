@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from sfi.scorers.registry import make_scorer
+from sfi.triggers import token_classes
 from sfi.vllm.paged import (
     DIM_MAJOR,
     KeyLayout,
@@ -64,6 +65,48 @@ def book() -> RequestBook | None:
     return _book
 
 
+# The architectures whose model class sfi subclasses to record each step's input ids (the
+# sentence trigger observes them; vLLM's attention metadata carries none).
+TOKEN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                       "Qwen3ForCausalLM")
+_input_ids: torch.Tensor | None = None
+
+
+def _take_input_tokens(query_start: list[int], rows: int) -> list[int] | None:
+    """Each row's last input token of the step the model just recorded (None if none was)."""
+    global _input_ids
+    ids, _input_ids = _input_ids, None
+    if ids is None:
+        return None
+    last = torch.tensor([query_start[r + 1] - 1 for r in range(rows)])
+    return ids.index_select(0, last.to(ids.device)).tolist()
+
+
+def _recording(model_class: type) -> type:
+    """``model_class`` whose forward first records its ``input_ids`` for the step's plan."""
+
+    def forward(self: Any, input_ids: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+        global _input_ids
+        _input_ids = input_ids
+        return model_class.forward(self, input_ids, *args, **kwargs)
+
+    return type(model_class.__name__, (model_class,), {"forward": forward,
+                                                       "__module__": __name__})
+
+
+def _record_input_ids() -> None:
+    import importlib
+
+    from vllm.model_executor.models import ModelRegistry
+
+    for arch in TOKEN_ARCHITECTURES:
+        entry = ModelRegistry.models.get(arch)
+        if entry is None or not hasattr(entry, "module_name"):
+            continue  # unknown here, or already replaced by a plugin
+        base = getattr(importlib.import_module(entry.module_name), entry.class_name)
+        ModelRegistry.register_model(arch, _recording(base))
+
+
 def install() -> None:
     """Make vLLM's CPU platform use the SFI backend (called by :func:`sfi.vllm.register`)."""
     if not vllm.__version__.startswith(TESTED_VLLM):
@@ -76,6 +119,7 @@ def install() -> None:
             "SFI_VLLM is set, but sfi's vLLM backend wraps vLLM's CPU attention only so far; "
             f"this platform is {current_platform.device_name!r} (unset SFI_VLLM to run stock)")
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.SFICPUBackend")
+    _record_input_ids()
 
 
 def _book_for(vllm_config: Any) -> RequestBook | None:
@@ -88,40 +132,15 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
             raise RuntimeError("SFI in vLLM needs prefix caching off "
                                "(--no-enable-prefix-caching, or enable_prefix_caching=False)")
         capacity = slot_capacity(config, vllm_config.model_config.max_model_len)
+        classes = None
+        if config.trigger == "sentence":
+            from sfi.models import load_tokenizer
+
+            classes = token_classes(load_tokenizer(vllm_config.model_config.tokenizer))
         _book = RequestBook(config, vllm_config.scheduler_config.max_num_seqs, capacity,
-                            make_scorer("sfi", config))
+                            make_scorer("sfi", config), classes)
         _book_generation = generation
     return _book
-
-
-@dataclass
-class SFIMetadata:
-    """One step's metadata for every layer: the stock metadata of each part and the plans.
-
-    Attributes:
-        stock: the stock metadata of the whole batch, when no row is fast (else None).
-        dense: the stock metadata of the rows that read vLLM's cache, when some are fast.
-        dense_tokens / fast_tokens: ``[n]`` the query tokens of each part.
-        fast: the stock metadata of the fast rows over the plugin's buffer.
-        fast_slots: ``[n_fast]`` where each fast row's new entry goes in the buffer
-            (block * bs + offset).
-        block_table: ``[rows, max_blocks]`` vLLM's block table (to read a request's entries).
-        plans: what each row does.
-        blocks_per_slot: blocks of the buffer each slot owns.
-    """
-
-    stock: CPUAttentionMetadata | None
-    dense: CPUAttentionMetadata | None
-    dense_tokens: torch.Tensor | None
-    fast: CPUAttentionMetadata | None
-    fast_tokens: torch.Tensor | None
-    fast_slots: torch.Tensor | None
-    block_table: torch.Tensor
-    query_start: list[int]
-    plans: list[RowPlan]
-    blocks_per_slot: int
-    slots: int
-    window: int
 
 
 def _rows_of(common: CommonAttentionMetadata, rows: list[int], query_lens: list[int],
@@ -150,6 +169,79 @@ def _rows_of(common: CommonAttentionMetadata, rows: list[int], query_lens: list[
                    slot_mapping=common.slot_mapping.index_select(0, tokens))
 
 
+@dataclass
+class SFIMetadata:
+    """One step's metadata for every layer, planned when the step's first layer runs (by then
+    the model has recorded the input tokens the triggers observe).
+
+    Attributes:
+        common: vLLM's metadata of the whole batch; builder: the builder that made this.
+        keys, query_lens, seq_lens, query_start: each row's request key (its first block),
+            query and context lengths, first query token.
+        block_table: ``[rows, max_blocks]`` vLLM's block table (to read a request's entries).
+        stock: the stock metadata of the whole batch, when no row is fast (else None).
+        dense: the stock metadata of the rows that read vLLM's cache, when some are fast.
+        dense_tokens / fast_tokens: ``[n]`` the query tokens of each part.
+        fast: the stock metadata of the fast rows over the plugin's buffer.
+        fast_slots: ``[n_fast]`` where each fast row's new entry goes in the buffer
+            (block * bs + offset).
+        plans: what each row does (empty until planned).
+    """
+
+    common: CommonAttentionMetadata
+    builder: SFICPUMetadataBuilder
+    keys: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    query_start: list[int]
+    block_table: torch.Tensor
+    stock: CPUAttentionMetadata | None = None
+    dense: CPUAttentionMetadata | None = None
+    dense_tokens: torch.Tensor | None = None
+    fast: CPUAttentionMetadata | None = None
+    fast_tokens: torch.Tensor | None = None
+    fast_slots: torch.Tensor | None = None
+    plans: list[RowPlan] = field(default_factory=list)
+    planned: bool = False
+
+    def plan(self, requests: RequestBook) -> None:
+        """Decide every row (once per step) and build the stock metadata of each part."""
+        if self.planned:
+            return
+        self.planned = True
+        tokens = _take_input_tokens(self.query_start, len(self.keys))
+        if tokens is None and requests.config.trigger == "sentence":
+            raise RuntimeError(
+                "SFI's sentence trigger needs the input tokens, which sfi records for the "
+                f"architectures {', '.join(TOKEN_ARCHITECTURES)}; this model is not one of "
+                "them: set trigger=fixed (and a period) in SFI_VLLM")
+        self.plans = requests.plan(self.keys, self.query_lens, self.seq_lens, tokens)
+        build = self.builder.build_stock
+        fast_rows = [p.row for p in self.plans if p.kind in (SELECT, FAST)]
+        dense_rows = [p.row for p in self.plans if p.kind in (DENSE, SLOW)]
+        if not fast_rows:
+            self.stock = build(self.common)
+            return
+        common, starts = self.common, self.query_start
+        if dense_rows:
+            index = torch.tensor(dense_rows)
+            self.dense = build(_rows_of(common, dense_rows, self.query_lens,
+                                        self.block_table.index_select(0, index),
+                                        common.seq_lens.index_select(0, index)))
+            self.dense_tokens = torch.cat([torch.arange(starts[r], starts[r + 1])
+                                           for r in dense_rows])
+        per_slot = self.builder.blocks_per_slot(requests)
+        fast_plans = [self.plans[r] for r in fast_rows]
+        slot_blocks = torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]
+                                    for p in fast_plans], dtype=self.block_table.dtype)
+        lengths = torch.tensor([p.length for p in fast_plans], dtype=common.seq_lens.dtype)
+        self.fast = build(_rows_of(common, fast_rows, self.query_lens, slot_blocks, lengths))
+        self.fast_tokens = torch.tensor([starts[r] for r in fast_rows])
+        bs = self.builder.block_size
+        self.fast_slots = torch.tensor([p.slot * per_slot * bs + p.length - 1
+                                        for p in fast_plans])
+
+
 class SFICPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's CPU metadata builder, run once per part of the batch (see the module)."""
 
@@ -162,41 +254,18 @@ class SFICPUMetadataBuilder(CPUAttentionMetadataBuilder):
             return super().build(common_prefix_len, common, fast_build)
         n = common.num_reqs
         starts = common.query_start_loc_cpu.tolist()
-        query_lens = [starts[r + 1] - starts[r] for r in range(n)]
-        seq_lens = common.seq_lens[:n].tolist()
         block_table = common.block_table_tensor[:n]
-        keys = block_table[:, 0].tolist()
-        plans = requests.plan(keys, query_lens, seq_lens)
-        per_slot = blocks_per_slot(requests.capacity, self.block_size)
-        fast_rows = [p.row for p in plans if p.kind in (SELECT, FAST)]
-        dense_rows = [p.row for p in plans if p.kind in (DENSE, SLOW)]
-        stock = dense = fast = None
-        dense_tokens = fast_tokens = fast_slots = None
-        if not fast_rows:
-            stock = super().build(common_prefix_len, common, fast_build)
-        else:
-            if dense_rows:
-                index = torch.tensor(dense_rows)
-                part = _rows_of(common, dense_rows, query_lens,
-                                block_table.index_select(0, index),
-                                common.seq_lens.index_select(0, index))
-                dense = super().build(0, part, fast_build)
-                dense_tokens = torch.cat([torch.arange(starts[r], starts[r + 1])
-                                          for r in dense_rows])
-            fast_plans = [plans[r] for r in fast_rows]
-            slot_blocks = torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]
-                                        for p in fast_plans], dtype=block_table.dtype)
-            lengths = torch.tensor([p.length for p in fast_plans], dtype=common.seq_lens.dtype)
-            part = _rows_of(common, fast_rows, query_lens, slot_blocks, lengths)
-            fast = super().build(0, part, fast_build)
-            fast_tokens = torch.tensor([starts[r] for r in fast_rows])
-            fast_slots = torch.tensor([p.slot * per_slot * self.block_size + p.length - 1
-                                       for p in fast_plans])
-        return SFIMetadata(stock=stock, dense=dense, dense_tokens=dense_tokens, fast=fast,
-                           fast_tokens=fast_tokens, fast_slots=fast_slots,
-                           block_table=block_table, query_start=starts, plans=plans,
-                           blocks_per_slot=per_slot, slots=requests.slots,
-                           window=requests.config.evidence_window)
+        return SFIMetadata(common=common, builder=self, keys=block_table[:, 0].tolist(),
+                           query_lens=[starts[r + 1] - starts[r] for r in range(n)],
+                           seq_lens=common.seq_lens[:n].tolist(), query_start=starts,
+                           block_table=block_table)
+
+    def build_stock(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
+        """vLLM's own metadata of ``common`` (a whole batch or a part of it)."""
+        return super().build(0, common)
+
+    def blocks_per_slot(self, requests: RequestBook) -> int:
+        return blocks_per_slot(requests.capacity, self.block_size)
 
 
 def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +329,9 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
         if not isinstance(md, SFIMetadata):
             return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale, output_block_scale)
-        self._ensure_buffers(md, kv_cache, query)
+        requests = _book
+        md.plan(requests)
+        self._ensure_buffers(requests, md, kv_cache, query)
         self._record_prompt_queries(md, query)
         if md.stock is not None:
             super().forward(layer, query, key, value, kv_cache, md.stock, output)
@@ -269,7 +340,7 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
             super().forward(layer, query.index_select(0, md.dense_tokens), key, value, kv_cache,
                             md.dense, part)
             output.index_copy_(0, md.dense_tokens, part)
-        self._refresh(layer, md, query, kv_cache)
+        self._refresh(layer, requests, md, query, kv_cache)
         if md.fast is not None:
             _store(layer, self, self.buffer, key.index_select(0, md.fast_tokens),
                    value.index_select(0, md.fast_tokens), md.fast_slots)
@@ -279,12 +350,12 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
             output.index_copy_(0, md.fast_tokens, part)
         return output
 
-    def _ensure_buffers(self, md: SFIMetadata, kv_cache: torch.Tensor,
+    def _ensure_buffers(self, requests: RequestBook, md: SFIMetadata, kv_cache: torch.Tensor,
                         query: torch.Tensor) -> None:
-        nb = md.slots * md.blocks_per_slot
+        nb = requests.slots * md.builder.blocks_per_slot(requests)
         if self.buffer is None or self.buffer.shape[0] != nb:
             self.buffer = kv_cache.new_zeros(nb, *kv_cache.shape[1:])
-        shape = (md.slots, md.window, *query.shape[1:])
+        shape = (requests.slots, requests.config.evidence_window, *query.shape[1:])
         if self.prompt_queries is None or self.prompt_queries.shape != shape:
             self.prompt_queries = query.new_zeros(shape)
 
@@ -297,7 +368,7 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
                 new = query[end - plan.record: end]
                 held.copy_(torch.cat([held[plan.record:], new], dim=0))
 
-    def _refresh(self, layer: Any, md: SFIMetadata, query: torch.Tensor,
+    def _refresh(self, layer: Any, requests: RequestBook, md: SFIMetadata, query: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
         """Select and pack the memories of the rows that refresh at this step."""
         refreshing = [p for p in md.plans if p.kind in (SLOW, SELECT)]
@@ -305,7 +376,7 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
             return
         cache_keys, cache_values = _halves(kv_cache)
         layout = _key_layout(layer, self, kv_cache)
-        requests = _book
+        per_slot = md.builder.blocks_per_slot(requests)
         layer_idx = _layer_index(layer)
         for plan in refreshing:
             memory = plan.memory
@@ -323,7 +394,7 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
                                         self.logits_soft_cap or None)
             positions = memory_positions(memory, selected, end)
             heads = torch.arange(keys.shape[0])[:, None]
-            first = plan.slot * md.blocks_per_slot * cache_keys.shape[2]
+            first = plan.slot * per_slot * cache_keys.shape[2]
             slots = torch.arange(first, first + positions.shape[1])
             _store(layer, self, self.buffer, keys[heads, positions].transpose(0, 1),
                    read_positions(cache_values, block_row, positions).transpose(0, 1), slots)

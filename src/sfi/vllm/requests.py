@@ -18,11 +18,11 @@ The decisions mirror :class:`sfi.planner.Planner` for one sequence without paddi
 - otherwise a **fast** step: the row's memory (sinks + selected + recent window, packed in a
   slot of the plugin's buffer) plus the new token.
 
-Triggers must not need the token ids (vLLM's attention never sees them): ``fixed``, ``random``
-and ``bootstrap``. A slot has room for S + K + R + the longest reuse (:data:`BOOTSTRAP_REUSE`
-tokens for the bootstrap-only trigger); a row whose memory would outgrow it refreshes (reason
-``capacity``; only the bootstrap-only trigger reaches it, where the transformers path would not
-refresh).
+Triggers see each decode row's input token as the transformers path's do (the sentence
+trigger needs them; the glue records the model's input ids). A slot has room for S + K + R +
+the longest reuse (:data:`BOOTSTRAP_REUSE` tokens for the bootstrap-only trigger); a row whose
+memory would outgrow it refreshes (reason ``capacity``; only the bootstrap-only trigger reaches
+it, where the transformers path would not refresh).
 """
 
 from __future__ import annotations
@@ -35,22 +35,16 @@ from sfi.config import SFIConfig
 from sfi.errors import SFIConfigError
 from sfi.planner import Memory, SequenceState, refresh_memory
 from sfi.scorers import Scorer
-from sfi.triggers import BOOTSTRAP, make_trigger
+from sfi.triggers import BOOTSTRAP, TokenClasses, make_trigger
 
 DENSE, SLOW, SELECT, FAST = "dense", "slow", "select", "fast"
 CAPACITY = "capacity"
-TOKEN_FREE_TRIGGERS = ("fixed", "random", "bootstrap")
-NO_TOKEN = -1  # what the triggers are shown in place of the input token
+NO_TOKEN = -1  # shown to a token-free trigger when the input token is not known
 BOOTSTRAP_REUSE = 1024  # new tokens a bootstrap-only memory serves before it must refresh
 
 
 def check_plugin_config(config: SFIConfig) -> None:
     """Refuse, by name, what the vLLM plugin does not carry out."""
-    if config.trigger not in TOKEN_FREE_TRIGGERS:
-        raise SFIConfigError(
-            f"trigger={config.trigger!r} needs the input token ids, which vLLM's attention "
-            f"backends never see; use one of {', '.join(TOKEN_FREE_TRIGGERS)} "
-            "(e.g. trigger=fixed, period=32)")
     unsupported = {"coverage_layers": 0, "pin_fraction": 0.0, "hysteresis": 0.0}
     for name, neutral in unsupported.items():
         if getattr(config, name) != neutral:
@@ -60,6 +54,8 @@ def check_plugin_config(config: SFIConfig) -> None:
 
 def longest_reuse(config: SFIConfig) -> int:
     """The most decode steps a memory serves before it refreshes."""
+    if config.trigger == "sentence":
+        return config.refresh_interval
     if config.trigger == "fixed":
         return config.period
     if config.trigger == "random":
@@ -135,11 +131,16 @@ class RequestBook:
         slots: how many requests may hold a fast memory at once (vLLM's ``max_num_seqs``).
         capacity: entries per slot (:func:`slot_capacity`).
         scorer: what ranks positions at a refresh.
+        classes: the vocabulary's sentence enders and blanks (the sentence trigger needs them).
     """
 
-    def __init__(self, config: SFIConfig, slots: int, capacity: int, scorer: Scorer) -> None:
+    def __init__(self, config: SFIConfig, slots: int, capacity: int, scorer: Scorer,
+                 classes: TokenClasses | None = None) -> None:
         check_plugin_config(config)
+        if config.trigger == "sentence" and classes is None:
+            raise SFIConfigError("the sentence trigger needs the vocabulary's token classes")
         self.config = config
+        self.classes = classes
         self.capacity = capacity
         self.scorer = scorer
         self.requests: dict[int, RequestState] = {}
@@ -150,25 +151,30 @@ class RequestBook:
         self._started = 0
 
     # --- the step --------------------------------------------------------------------------
-    def plan(self, keys: Sequence[int], query_lens: Sequence[int], seq_lens: Sequence[int]
-             ) -> list[RowPlan]:
+    def plan(self, keys: Sequence[int], query_lens: Sequence[int], seq_lens: Sequence[int],
+             tokens: Sequence[int] | None = None) -> list[RowPlan]:
         """Decide what each row does, and commit it (the step is about to run).
 
         ``keys`` identify the rows' requests (their first KV block); ``query_lens`` and
-        ``seq_lens`` are vLLM's per-row query and context lengths."""
+        ``seq_lens`` are vLLM's per-row query and context lengths; ``tokens`` each row's last
+        input token (what the triggers observe at a decode step)."""
+        if tokens is None:
+            if self.config.trigger == "sentence":
+                raise RuntimeError("the sentence trigger needs each row's input token")
+            tokens = [NO_TOKEN] * len(keys)
         self.stats.steps += 1
         step = self.stats.steps
         counts: dict[int, int] = {}
         for key in keys:
             counts[key] = counts.get(key, 0) + 1
         plans = []
-        for row, (key, q, t) in enumerate(zip(keys, query_lens, seq_lens)):
+        for row, (key, q, t, token) in enumerate(zip(keys, query_lens, seq_lens, tokens)):
             if counts[key] > 1:  # not a request's own block (a warm-up batch): stock attention
                 plans.append(RowPlan(row, DENSE, None, t))
                 continue
             state = self._state(key, fresh=(q == t), step=step, live=set(keys))
             state.seen = step
-            plans.append(self._decide(row, state, q, t))
+            plans.append(self._decide(row, state, q, t, token))
         kinds = [p.kind for p in plans]
         for kind in kinds:
             self.stats.rows[kind] += 1
@@ -185,7 +191,8 @@ class RequestBook:
         slot = self._take_slot(live)
         c = self.config
         self._started += 1
-        seq = SequenceState(pad=0, config=c, trigger=make_trigger(c, None, self._started - 1),
+        seq = SequenceState(pad=0, config=c,
+                            trigger=make_trigger(c, self.classes, self._started - 1),
                             scorer=self.scorer)
         state = RequestState(key=key, slot=slot, seq=seq)
         self.requests[key] = state
@@ -209,7 +216,7 @@ class RequestBook:
         del self.requests[state.key]
         self.free.append(state.slot)
 
-    def _decide(self, row: int, state: RequestState, q: int, t: int) -> RowPlan:
+    def _decide(self, row: int, state: RequestState, q: int, t: int, token: int) -> RowPlan:
         c, seq = self.config, state.seq
         if q > 1:  # a prompt chunk
             record = min(c.evidence_window, q)
@@ -218,7 +225,7 @@ class RequestBook:
             return RowPlan(row, DENSE, state.slot, t, record=record)
         if not c.sparse_pays(t):  # nothing to save yet
             steps = seq.steps_since_refresh + 1
-            seq.trigger.advance(NO_TOKEN, steps)
+            seq.trigger.advance(token, steps)
             seq.steps_since_refresh = steps
             seq.stats.dense_steps += 1
             return RowPlan(row, DENSE, state.slot, t)
@@ -239,10 +246,10 @@ class RequestBook:
         if seq.memory is None:
             reason = BOOTSTRAP
         else:
-            reason = seq.trigger.decide(NO_TOKEN, steps)
+            reason = seq.trigger.decide(token, steps)
             if reason is None and state.length + 1 > self.capacity and plan is None:
                 reason = CAPACITY
-        seq.trigger.advance(NO_TOKEN, steps)
+        seq.trigger.advance(token, steps)
         if reason is not None:  # slow: dense now, then a memory of the step's length
             memory = self._memory(t)
             seq.memory, seq.steps_since_refresh = memory, 0

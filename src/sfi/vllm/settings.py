@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from sfi.config import SFIConfig, parse_overrides
-from sfi.errors import SFIConfigError
 from sfi.vllm.requests import check_plugin_config
 
 ENV = "SFI_VLLM"
-PLUGIN_DEFAULTS: dict[str, Any] = {"trigger": "fixed", "coverage_layers": 0}
+PLUGIN_DEFAULTS: dict[str, Any] = {"coverage_layers": 0}
 
 
 def parse_config(spec: str) -> SFIConfig:
@@ -25,10 +24,6 @@ def parse_config(spec: str) -> SFIConfig:
         else:
             rest.append(item)
     overrides = parse_overrides(rest, where=ENV)
-    if preset == "paper" and "trigger" not in overrides:
-        raise SFIConfigError(
-            f"{ENV}: the paper preset's sentence trigger needs the input tokens, which vLLM's "
-            "attention never sees; add trigger=fixed (and a period) to use it with vLLM")
     values = {**PLUGIN_DEFAULTS, **overrides} if preset == "default" else overrides
     config = SFIConfig.from_preset(preset, **values)
     check_plugin_config(config)
