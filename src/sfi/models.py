@@ -112,6 +112,12 @@ ALIASES = {"default": "smollm2-135m", "smollm2": "smollm2-135m", "qwen2.5": "qwe
            "qwen2.5-coder-0.5b": "qwen2.5-0.5b"}
 
 
+def packaged_gguf(name: str) -> Path | None:
+    """The GGUF file of a packaged model name (``default``, ``smollm2``, ...), else None."""
+    key = ALIASES.get(name.lower(), name.lower())
+    return PACKAGED[key].locate() if key in PACKAGED else None
+
+
 def _converted_dir(key: str) -> Path:
     return cache_root() / "models" / re.sub(r"[^A-Za-z0-9._-]+", "_", key)
 

@@ -5,7 +5,9 @@ One vLLM engine runs in this process; SFI is switched on and off between cells
 For each (context, batch) every mode prefills the same essay prompts, then the steps in which
 every row decodes are timed (``LLMEngine.step``: scheduling, forward, sampling), after
 ``warmup`` untimed ones. sfi's own engine (transformers, :func:`sfi.bench.throughput.measure_cell`)
-runs full attention and SFI with the same configuration on the same token ids.
+runs full attention and SFI with the same configuration on the same token ids; llama.cpp
+(``llama-cpp-python`` on the model's GGUF, its own quantization, full KV, the same threads) runs
+the same token ids at batch 1 when it is installed.
 """
 
 from __future__ import annotations
@@ -90,6 +92,32 @@ def time_decode(llm: Any, prompts: Sequence[list[int]], new_tokens: int, warmup:
     return times[warmup:]
 
 
+def llama_cpp_row(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: int,
+                  threads: int) -> EngineRow:
+    """llama.cpp decoding greedily after ``prompt``: each ``eval`` of one token timed."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + warmup + new_tokens + 8,
+                          n_threads=threads, n_threads_batch=threads, n_batch=512,
+                          verbose=False)
+    vocab = llm.n_vocab()
+    llm.eval(prompt)
+    times = []
+    for _ in range(warmup + new_tokens):
+        last = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        token = int(np.argmax(np.ctypeslib.as_array(last, shape=(vocab,))))
+        begin = time.perf_counter()
+        llm.eval([token])
+        times.append(time.perf_counter() - begin)
+    llm.close()
+    times = times[warmup:]
+    return EngineRow(engine="llama.cpp", mode="full", context=len(prompt), batch=1,
+                     decode_tok_s=round(len(times) / sum(times), 3),
+                     step_ms=round(1000 * statistics.median(times), 3), steps=len(times),
+                     fast_fraction=None)
+
+
 def vllm_row(mode: str, context: int, batch: int, times: list[float],
              fast_fraction: float | None) -> EngineRow:
     return EngineRow(engine="vllm", mode=mode, context=context, batch=batch,
@@ -100,10 +128,11 @@ def vllm_row(mode: str, context: int, batch: int, times: list[float],
 
 def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Sequence[int],
                    batches: Sequence[int], new_tokens: int, config: SFIConfig,
-                   own_engine: bool = True, warmup: int = 2,
+                   own_engine: bool = True, gguf: str | Path | None = None, warmup: int = 2,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every (context, batch) on stock vLLM, vLLM + SFI and (``own_engine``) sfi's own full and
-    SFI modes; returns ``{"rows": [...], ...}`` with ratios within each cell."""
+    SFI modes, and llama.cpp on ``gguf`` at batch 1; returns ``{"rows": [...], ...}`` with
+    ratios within each cell."""
     from sfi.vllm import backend, configure
 
     say = progress or (lambda _msg: None)
@@ -140,6 +169,10 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
                                           step_ms=row.step_ms, steps=new_tokens,
                                           fast_fraction=fast))
                 del prefix
+            if gguf is not None and batch == 1:
+                say(f"context {context}, batch 1: llama.cpp")
+                cell.append(llama_cpp_row(gguf, prompts[0], new_tokens, warmup,
+                                          torch.get_num_threads()))
             base = {(r.engine, r.mode): r.decode_tok_s for r in cell}
             for r in cell:
                 r.speedup_vs_vllm = round(r.decode_tok_s / base[("vllm", "vllm")], 3)
