@@ -62,3 +62,11 @@ def test_loadtest_refuses_non_loopback_targets():
     result = run_cli("loadtest", "--url", "http://10.1.2.3:8000", "--duration", "1")
     assert result.returncode == 2
     assert "loopback addresses only" in result.stderr
+
+
+def test_bench_vllm_without_vllm_says_how_to_get_it():
+    """The main environment has no vLLM: a clear error naming the fix, no traceback."""
+    result = run_cli("bench-vllm", "--contexts", "4096")
+    assert result.returncode == 2
+    assert "sfi bench-vllm needs vLLM" in result.stderr and "make install-vllm" in result.stderr
+    assert "Traceback" not in result.stderr

