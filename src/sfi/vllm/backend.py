@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import vllm
-from vllm import _custom_ops as ops
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -279,13 +278,9 @@ def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _store(layer: Any, impl: CPUAttentionBackendImpl, cache: torch.Tensor, keys: torch.Tensor,
            values: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write ``keys``/``values [n, H, D]`` at ``slots [n]`` of ``cache`` with vLLM's own cache
-    op (so that they land in the layout its kernel reads)."""
-    cache_keys, cache_values = _halves(cache)
-    ops.cpu_attn_reshape_and_cache(keys.contiguous(), values.contiguous(), cache_keys,
-                                   cache_values, slots, layer.isa, k_scale=layer._k_scale_float,
-                                   v_scale=layer._v_scale_float,
-                                   kv_cache_dtype=impl.kv_cache_dtype)
+    """Write ``keys``/``values [n, H, D]`` at ``slots [n]`` of ``cache`` with the backend's own
+    cache update (so that they land in the layout its kernel reads)."""
+    impl.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), cache, slots)
 
 
 _layouts: dict[tuple[Any, ...], KeyLayout] = {}
