@@ -96,6 +96,25 @@ class SequenceState:
     coverage_miss: bool = False
 
 
+def decode_decision(seq: SequenceState, token: int | None, total: int) -> tuple[str, str | None]:
+    """What a decode step of ``seq`` at cache length ``total`` does, before it runs:
+    ``(kind, refresh reason)``. Dense while sparse decoding does not pay (or for a full-attention
+    sequence); slow without a memory (``bootstrap``), when the trigger fires on ``token`` (None:
+    not observed), or after a coverage miss once ``coverage_gap`` steps have passed; else fast.
+    Shared by :class:`Planner` and the vLLM plugin's per-request book."""
+    if seq.dense_only or not seq.config.sparse_pays(total - seq.pad):
+        return DENSE, None
+    steps = seq.steps_since_refresh + 1
+    fired = seq.trigger.decide(token, steps) if token is not None else None
+    if seq.memory is None:
+        return SLOW, BOOTSTRAP
+    if fired is not None:
+        return SLOW, fired
+    if seq.coverage_miss and steps >= seq.config.coverage_gap:
+        return SLOW, COVERAGE
+    return FAST, None
+
+
 @dataclass(frozen=True)
 class SelectionGroup:
     """Slow rows that share a scorer and a selection rule (page size, hysteresis); ``rows``
@@ -273,26 +292,12 @@ class Planner:
         decode = query_length == 1 and past > 0
         kinds, reasons = [], []
         for seq, token in zip(self.sequences, tokens):
-            pays = not seq.dense_only and seq.config.sparse_pays(total - seq.pad)
-            reason = None
-            if not decode:
+            if decode:
+                kind, reason = decode_decision(seq, token, total)
+            else:
+                pays = not seq.dense_only and seq.config.sparse_pays(total - seq.pad)
                 kind = SLOW if pays and select else DENSE
                 reason = BOOTSTRAP if kind == SLOW else None
-            elif not pays:
-                kind = DENSE
-            else:
-                fired = None
-                if token is not None:
-                    fired = seq.trigger.decide(token, seq.steps_since_refresh + 1)
-                if seq.memory is None:
-                    kind, reason = SLOW, BOOTSTRAP
-                elif fired is not None:
-                    kind, reason = SLOW, fired
-                elif seq.coverage_miss and \
-                        seq.steps_since_refresh + 1 >= seq.config.coverage_gap:
-                    kind, reason = SLOW, COVERAGE
-                else:
-                    kind = FAST
             kinds.append(kind)
             reasons.append(reason)
         slow_rows = [r for r, k in enumerate(kinds) if k == SLOW]

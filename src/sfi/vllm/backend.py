@@ -144,12 +144,18 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
     return _book
 
 
-def _rows_of(common: CommonAttentionMetadata, rows: list[int], query_lens: list[int],
-             block_table: torch.Tensor, seq_lens: torch.Tensor) -> CommonAttentionMetadata:
-    """``common`` restricted to ``rows``, with their ``block_table`` and ``seq_lens``."""
-    starts = common.query_start_loc_cpu.tolist()
-    tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
-    lens = torch.tensor([query_lens[r] for r in rows], dtype=common.query_start_loc.dtype)
+def _query_tokens(starts: list[int], rows: list[int]) -> torch.Tensor:
+    """``[n]`` the query tokens of ``rows`` (``starts``: the batch's query start offsets)."""
+    return torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
+
+
+def _rows_of(common: CommonAttentionMetadata, rows: list[int], starts: list[int],
+             tokens: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+             ) -> CommonAttentionMetadata:
+    """``common`` restricted to ``rows`` (whose query tokens are ``tokens``), with their
+    ``block_table`` and ``seq_lens``."""
+    lens = torch.tensor([starts[r + 1] - starts[r] for r in rows],
+                        dtype=common.query_start_loc.dtype)
     qsl = torch.zeros(len(rows) + 1, dtype=lens.dtype)
     torch.cumsum(lens, 0, out=qsl[1:])
     index = torch.tensor(rows)
@@ -186,7 +192,8 @@ class SFIMetadata:
         fast: the stock metadata of the fast rows over the plugin's buffer.
         fast_slots: ``[n_fast]`` where each fast row's new entry goes in the buffer
             (block * bs + offset).
-        plans: what each row does (empty until planned).
+        plans: what each row does (empty until planned); refreshing: the slow and selecting
+            rows among them; recording: the prompt chunks whose last queries are kept.
     """
 
     common: CommonAttentionMetadata
@@ -203,6 +210,8 @@ class SFIMetadata:
     fast_tokens: torch.Tensor | None = None
     fast_slots: torch.Tensor | None = None
     plans: list[RowPlan] = field(default_factory=list)
+    refreshing: list[RowPlan] = field(default_factory=list)
+    recording: list[RowPlan] = field(default_factory=list)
     planned: bool = False
 
     def plan(self, requests: RequestBook) -> None:
@@ -217,6 +226,8 @@ class SFIMetadata:
                 f"architectures {', '.join(TOKEN_ARCHITECTURES)}; this model is not one of "
                 "them: set trigger=fixed (and a period) in SFI_VLLM")
         self.plans = requests.plan(self.keys, self.query_lens, self.seq_lens, tokens)
+        self.refreshing = [p for p in self.plans if p.kind in (SLOW, SELECT)]
+        self.recording = [p for p in self.plans if p.record]
         build = self.builder.build_stock
         fast_rows = [p.row for p in self.plans if p.kind in (SELECT, FAST)]
         dense_rows = [p.row for p in self.plans if p.kind in (DENSE, SLOW)]
@@ -226,18 +237,18 @@ class SFIMetadata:
         common, starts = self.common, self.query_start
         if dense_rows:
             index = torch.tensor(dense_rows)
-            self.dense = build(_rows_of(common, dense_rows, self.query_lens,
+            self.dense_tokens = _query_tokens(starts, dense_rows)
+            self.dense = build(_rows_of(common, dense_rows, starts, self.dense_tokens,
                                         self.block_table.index_select(0, index),
                                         common.seq_lens.index_select(0, index)))
-            self.dense_tokens = torch.cat([torch.arange(starts[r], starts[r + 1])
-                                           for r in dense_rows])
         per_slot = self.builder.blocks_per_slot(requests)
         fast_plans = [self.plans[r] for r in fast_rows]
         slot_blocks = torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]
                                     for p in fast_plans], dtype=self.block_table.dtype)
         lengths = torch.tensor([p.length for p in fast_plans], dtype=common.seq_lens.dtype)
-        self.fast = build(_rows_of(common, fast_rows, self.query_lens, slot_blocks, lengths))
-        self.fast_tokens = torch.tensor([starts[r] for r in fast_rows])
+        self.fast_tokens = _query_tokens(starts, fast_rows)  # one per row: they decode
+        self.fast = build(_rows_of(common, fast_rows, starts, self.fast_tokens, slot_blocks,
+                                   lengths))
         bs = self.builder.block_size
         self.fast_slots = torch.tensor([p.slot * per_slot * bs + p.length - 1
                                         for p in fast_plans])
@@ -358,24 +369,22 @@ class SFICPUAttentionImpl(CPUAttentionBackendImpl):
 
     def _record_prompt_queries(self, md: SFIMetadata, query: torch.Tensor) -> None:
         """Keep each prompt chunk's last W queries (the first selection's evidence)."""
-        for plan in md.plans:
-            if plan.record:
-                end = md.query_start[plan.row + 1]
-                held = self.prompt_queries[plan.slot]
-                new = query[end - plan.record: end]
-                held.copy_(torch.cat([held[plan.record:], new], dim=0))
+        for plan in md.recording:
+            end = md.query_start[plan.row + 1]
+            held = self.prompt_queries[plan.slot]
+            new = query[end - plan.record: end]
+            held.copy_(torch.cat([held[plan.record:], new], dim=0))
 
     def _refresh(self, layer: Any, requests: RequestBook, md: SFIMetadata, query: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
         """Select and pack the memories of the rows that refresh at this step."""
-        refreshing = [p for p in md.plans if p.kind in (SLOW, SELECT)]
-        if not refreshing:
+        if not md.refreshing:
             return
         cache_keys, cache_values = _halves(kv_cache)
         layout = _key_layout(layer, self, kv_cache)
         per_slot = md.builder.blocks_per_slot(requests)
         layer_idx = _layer_index(layer)
-        for plan in refreshing:
+        for plan in md.refreshing:
             memory = plan.memory
             block_row = md.block_table[plan.row]
             if plan.kind == SELECT:  # evidence: the prompt's last W queries, keys of the prompt

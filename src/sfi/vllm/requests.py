@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 from sfi.config import SFIConfig
 from sfi.errors import SFIConfigError
-from sfi.planner import Memory, SequenceState, refresh_memory
+from sfi.planner import DENSE, FAST, SLOW, Memory, SequenceState, decode_decision, next_memory
 from sfi.scorers import Scorer
 from sfi.triggers import BOOTSTRAP, TokenClasses, make_trigger
 
-DENSE, SLOW, SELECT, FAST = "dense", "slow", "select", "fast"
+SELECT = "select"  # the first decode step after a prompt: select from it, then read fast
 CAPACITY = "capacity"
 NO_TOKEN = -1  # shown to a token-free trigger when the input token is not known
 BOOTSTRAP_REUSE = 1024  # new tokens a bootstrap-only memory serves before it must refresh
@@ -167,12 +167,13 @@ class RequestBook:
         counts: dict[int, int] = {}
         for key in keys:
             counts[key] = counts.get(key, 0) + 1
+        live = set(keys)
         plans = []
         for row, (key, q, t, token) in enumerate(zip(keys, query_lens, seq_lens, tokens)):
             if counts[key] > 1:  # not a request's own block (a warm-up batch): stock attention
                 plans.append(RowPlan(row, DENSE, None, t))
                 continue
-            state = self._state(key, fresh=(q == t), step=step, live=set(keys))
+            state = self._state(key, fresh=(q == t), step=step, live=live)
             state.seen = step
             plans.append(self._decide(row, state, q, t, token))
         kinds = [p.kind for p in plans]
@@ -223,55 +224,41 @@ class RequestBook:
             state.recorded = min(c.evidence_window, state.recorded + q)
             state.prompt_length = t
             return RowPlan(row, DENSE, state.slot, t, record=record)
-        if not c.sparse_pays(t):  # nothing to save yet
-            steps = seq.steps_since_refresh + 1
-            seq.trigger.advance(token, steps)
-            seq.steps_since_refresh = steps
-            seq.stats.dense_steps += 1
-            return RowPlan(row, DENSE, state.slot, t)
-        steps = seq.steps_since_refresh + 1
-        plan: RowPlan | None = None
+        select: RowPlan | None = None
         if seq.memory is None and state.prompt_length == t - 1 and state.recorded \
                 and c.sparse_pays(t - 1):
             # the prompt's selection (made at its end, as at the transformers path's prefill)
-            memory = self._memory(t - 1)
+            memory = next_memory(seq, t - 1)
             seq.memory, seq.steps_since_refresh = memory, 0
-            steps = 1
             seq.stats.refresh_reasons[BOOTSTRAP] += 1
             self._count(BOOTSTRAP)
-            length = memory.sink_count + memory.k + (t - 1 - memory.recent_start)
-            plan = RowPlan(row, SELECT, state.slot, t, memory=memory, length=length + 1,
-                           evidence=state.recorded)
-        reason = None
-        if seq.memory is None:
-            reason = BOOTSTRAP
-        else:
-            reason = seq.trigger.decide(token, steps)
-            if reason is None and state.length + 1 > self.capacity and plan is None:
-                reason = CAPACITY
+            select = RowPlan(row, SELECT, state.slot, t, memory=memory,
+                             length=memory.read(t - 1) + 1, evidence=state.recorded)
+        kind, reason = decode_decision(seq, token, t)
+        if kind == FAST and select is None and state.length + 1 > self.capacity:
+            kind, reason = SLOW, CAPACITY
+        steps = seq.steps_since_refresh + 1
         seq.trigger.advance(token, steps)
-        if reason is not None:  # slow: dense now, then a memory of the step's length
-            memory = self._memory(t)
+        seq.steps_since_refresh = steps
+        if kind == DENSE:  # nothing to save yet
+            seq.stats.dense_steps += 1
+            return RowPlan(row, DENSE, state.slot, t)
+        if kind == SLOW:  # dense now, then a memory of the step's length
+            memory = next_memory(seq, t)
             seq.memory, seq.steps_since_refresh = memory, 0
-            state.length = memory.sink_count + memory.k + (t - memory.recent_start)
+            state.length = memory.read(t)
             seq.stats.slow_steps += 1
             if reason != CAPACITY:
                 seq.stats.refresh_reasons[reason] += 1
             self._count(reason)
             return RowPlan(row, SLOW, state.slot, t, memory=memory, length=state.length,
                            reason=reason)
-        seq.steps_since_refresh = steps
-        memory = seq.memory
-        seq.stats.record_fast_step(memory.read(t) / t)
-        if plan is not None:
-            state.length = plan.length
-            return plan
+        seq.stats.record_fast_step(seq.memory.read(t) / t)
+        if select is not None:
+            state.length = select.length
+            return select
         state.length += 1
         return RowPlan(row, FAST, state.slot, t, length=state.length)
-
-    def _memory(self, total: int) -> Memory:
-        c = self.config
-        return refresh_memory(total, 0, c.sink, c.recent, c.budget(total))
 
     def _count(self, reason: str) -> None:
         self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
