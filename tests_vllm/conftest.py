@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -24,18 +25,25 @@ import torch
 from sfi import SFIConfig
 from sfi.models import load_tokenizer, resolve
 
+DEVICE = os.environ.get("SFI_TEST_DEVICE", "cpu")  # "cuda" in make gpu-check
+# vLLM's engines run fp32 (as the transformers reference does): on CUDA that is the Triton
+# backend (FlashAttention has no fp32)
+ENGINE = dict(dtype="float32", max_model_len=4096, enable_prefix_caching=False, seed=0,
+              enforce_eager=True, kv_cache_memory_bytes=1 << 28,
+              **({"attention_backend": "TRITON_ATTN"} if DEVICE == "cuda" else {}))
 SFI = SFIConfig(k_head=128, recent=64, trigger="fixed", period=8, coverage_layers=0)
 # the plugin's default trigger, with a short reuse budget so that 48 tokens see refreshes
 SENTENCE = SFIConfig(k_head=128, recent=64, refresh_interval=24, min_refresh_gap=4,
                      coverage_layers=0)
+# the plugin's default: the sentence trigger and the coverage probes
+COVERAGE = replace(SENTENCE, coverage_layers=8)
 
 
 def make_engine(path: str | Path, max_num_seqs: int = 4):
     from vllm import LLM
 
-    return LLM(model=str(path), dtype="float32", max_model_len=4096, max_num_seqs=max_num_seqs,
-               enable_prefix_caching=False, seed=0, enforce_eager=True,
-               distributed_executor_backend="uni", kv_cache_memory_bytes=1 << 28)
+    return LLM(model=str(path), max_num_seqs=max_num_seqs, distributed_executor_backend="uni",
+               **ENGINE)
 
 
 def close_engine(llm) -> None:

@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import SENTENCE, SFI, generate
+from conftest import COVERAGE, DEVICE, ENGINE, SENTENCE, SFI, generate
 
 from sfi.vllm import backend
-from sfi.vllm.backend import SFICPUAttentionImpl, SFIMetadata
+from sfi.vllm.backend import SFIImpl, SFIMetadata
 from sfi.vllm.requests import FAST
 
 EVERYTHING = replace(SFI, k_head=4096, force_sparse=True)  # K covers every context here
@@ -35,7 +35,7 @@ def test_the_backend_is_installed(smol):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     assert any(e.value == "sfi.vllm:register" for e in entry_points(group="vllm.general_plugins"))
-    assert AttentionBackendEnum.CPU_ATTN.get_class() is backend.SFICPUBackend
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is backend.SFICPUAttentionBackend
 
 
 def test_a_budget_covering_the_context_reproduces_stock_vllm(smol, essay_prompts):
@@ -57,7 +57,7 @@ def test_a_small_budget_runs_fast_steps_and_changes_the_output(smol, essay_promp
 def poisoned_fast_steps() -> Iterator[list[str]]:
     """Fill the vLLM cache blocks of every row with noise before each all-fast step: a fast
     step must not read them (its slot holds all it needs); a later slow step reads them."""
-    original = SFICPUAttentionImpl.forward
+    original = SFIImpl.forward
     poisoned: list[str] = []
 
     def forward(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs):
@@ -70,7 +70,7 @@ def poisoned_fast_steps() -> Iterator[list[str]]:
         return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SFICPUAttentionImpl, "forward", forward)
+        patch.setattr(SFIImpl, "forward", forward)
         yield poisoned
 
 
@@ -98,27 +98,38 @@ def test_mixed_batches_and_reused_slots_equal_requests_alone(smol, essay_prompts
     assert s.requests == 6 and s.slots_reused >= 2
 
 
-@pytest.mark.parametrize("config", [SFI, SENTENCE], ids=["fixed", "sentence"])
+@pytest.mark.parametrize("config", [SFI, SENTENCE, COVERAGE],
+                         ids=["fixed", "sentence", "sentence+coverage"])
 def test_same_tokens_as_the_transformers_path(smol, essay_prompts, config):
     """Where stock vLLM and transformers' full attention agree, vLLM + SFI and sfi.generate
-    agree with the same configuration (the sentence trigger sees the same input tokens)."""
+    agree with the same configuration (the sentence trigger sees the same input tokens). On
+    CPU the two engines agree on all three prompts; on a GPU (sfi.generate on the CPU as the
+    reference) on those where stock vLLM's numerics give the same greedy tokens."""
     import sfi
 
     model, tokenizer = sfi.load("default")
     stock = generate(smol, essay_prompts, None, max_tokens=48)
     ours = generate(smol, essay_prompts, config, max_tokens=48)
     reasons = dict(stats().reasons)
+    agreeing = 0
     for prompt, vllm_full, vllm_sfi in zip(essay_prompts, stock, ours):
         text = tokenizer.decode(prompt)
         assert tokenizer(text)["input_ids"] == prompt
         full = sfi.generate(model, tokenizer, text, max_new_tokens=48, mode="full")
+        if list(full.token_ids) != vllm_full and DEVICE != "cpu":
+            continue
         assert list(full.token_ids) == vllm_full
+        agreeing += 1
         slow_fast = sfi.generate(model, tokenizer, text, max_new_tokens=48, config=config)
         assert list(slow_fast.token_ids) == vllm_sfi
-        assert slow_fast.stats.fast_steps >= 30
+        # (the probes refresh often at K = 128: a third of the steps on the first prompt)
+        assert slow_fast.stats.fast_steps >= (20 if config.coverage_layers else 30)
+    assert agreeing >= (3 if DEVICE == "cpu" else 1)
     assert sum(reasons.values()) > 3  # refreshes beyond the three first selections
-    if config.trigger == "sentence":
+    if config.trigger == "sentence" and not config.coverage_layers:
         assert reasons.get("sentence", 0) + reasons.get("interval", 0) >= 3
+    if config.coverage_layers:
+        assert reasons.get("coverage", 0) >= 3  # the probes flagged memories, as sfi's did
 
 
 def test_the_plugin_runs_in_vllm_worker_processes(default_path, essay_prompts, smol):
@@ -130,15 +141,13 @@ def test_the_plugin_runs_in_vllm_worker_processes(default_path, essay_prompts, s
         "from vllm import LLM, SamplingParams\n"
         "if __name__ == '__main__':\n"
         "    prompts = json.loads(sys.stdin.read())\n"
-        f"    llm = LLM(model={str(default_path)!r}, dtype='float32', max_model_len=4096,\n"
-        "              max_num_seqs=4, enable_prefix_caching=False, seed=0, enforce_eager=True,\n"
-        "              kv_cache_memory_bytes=1 << 28)\n"
+        f"    llm = LLM(model={str(default_path)!r}, max_num_seqs=4, **{ENGINE!r})\n"
         "    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)\n"
         "    out = llm.generate([{'prompt_token_ids': p} for p in prompts], params,\n"
         "                       use_tqdm=False)\n"
         "    print('TOKENS', json.dumps([list(o.outputs[0].token_ids) for o in out]))\n")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["SFI_VLLM"] = "k_head=128,recent=64,trigger=fixed,period=8"
+    env["SFI_VLLM"] = "k_head=128,recent=64,trigger=fixed,period=8,coverage_layers=0"
     done = subprocess.run([sys.executable, "-c", script], input=json.dumps(essay_prompts[:2]),
                           capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]

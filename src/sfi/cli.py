@@ -237,6 +237,11 @@ def bench_vllm_cmd(
     llama_cpp: Annotated[bool | None, typer.Option(
         "--llama-cpp/--no-llama-cpp", help="also time llama.cpp on the model's GGUF at batch 1 "
         "(default: when llama-cpp-python is installed)")] = None,
+    dtype: Annotated[str, typer.Option(help="vLLM's dtype (bfloat16 on GPUs)")] = "float32",
+    eager: Annotated[bool, typer.Option(help="run vLLM eagerly (--no-eager: compiled, with CUDA "
+                                        "graphs between attention layers on GPUs)")] = True,
+    attention_backend: Annotated[str | None, typer.Option(
+        help="vLLM's attention backend (sfi wraps CPU_ATTN, FLASH_ATTN, TRITON_ATTN)")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Decode throughput of stock vLLM and vLLM + SFI (one engine), beside sfi's own engine
@@ -271,11 +276,19 @@ def bench_vllm_cmd(
         if gguf is None:
             raise SFIError(f"--llama-cpp needs a GGUF: {model!r} is neither a packaged model "
                            "nor a .gguf file; pass --no-llama-cpp")
-    loaded_model, tokenizer = _load(model, as_json)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise SFIError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if own_engine:
+        loaded_model, tokenizer = _load(model, as_json)
+    else:  # vLLM loads the weights itself
+        from sfi.models import load_tokenizer
+
+        loaded_model, tokenizer = None, load_tokenizer(model)
     say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
     result = run_vllm_bench(resolve(model), loaded_model, tokenizer, contexts=context_list,
                             batches=batch_list, new_tokens=new_tokens, config=config,
-                            own_engine=own_engine, gguf=gguf, progress=say)
+                            own_engine=own_engine, gguf=gguf, dtype=dtype, eager=eager,
+                            attention_backend=attention_backend, progress=say)
     result["model"] = model
     if as_json:
         print(json.dumps(result))

