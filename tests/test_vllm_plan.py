@@ -138,8 +138,31 @@ def test_slots_of_finished_requests_are_reused():
     requests.plan([3, 4], [40, 40], [40, 40])
     assert requests.stats.slots_reused == 2
     assert sorted(s.slot for s in requests.requests.values()) == [0, 1]
-    with pytest.raises(RuntimeError, match="more live requests than plugin slots"):
-        requests.plan([3, 4, 5], [1, 1, 40], [41, 41, 40])
+    # a third live request finds no slot: full attention to its end, the others unchanged
+    plans = requests.plan([3, 4, 5], [1, 1, 40], [41, 41, 40])
+    assert [(p.kind, p.slot) for p in plans] == [(SELECT, 0), (SELECT, 1), (DENSE, None)]
+    for t in range(41, 60):
+        plans = requests.plan([3, 4, 5], [1, 1, 1], [t + 1, t + 1, t])
+        assert [p.kind for p in plans] == [FAST, FAST, DENSE] and plans[2].record == 0
+    assert requests.stats.unslotted == 1
+    requests.plan([6], [40], [40])  # 3, 4 and 5 finished: 5 is forgotten, 6 takes 3's slot
+    assert sorted(requests.requests) == [4, 6] and requests.requests[6].slot == 0
+
+
+def test_the_plugins_slots_are_set_in_sfi_vllm():
+    from sfi.vllm.settings import DEFAULT_SLOTS, active_slots, configure, parse_settings
+
+    assert parse_settings("k_head=64,slots=3")[1] == 3
+    assert parse_settings("k_head=64")[1] is None
+    with pytest.raises(SFIConfigError, match="slots must be a whole number"):
+        parse_settings("slots=0")
+    try:
+        configure(SFIConfig(), slots=3)
+        assert active_slots(256) == 3 and active_slots(2) == 2
+        configure(SFIConfig())
+        assert active_slots(256) == DEFAULT_SLOTS
+    finally:
+        configure(None)
 
 
 def test_a_memory_that_outgrows_its_slot_refreshes():

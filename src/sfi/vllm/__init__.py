@@ -7,8 +7,10 @@ vLLM starts (every worker process reads it):
     SFI_VLLM="preset=default,k_head=1024" vllm serve <model> --no-enable-prefix-caching
 
 ``SFI_VLLM`` holds ``name=value`` items separated by commas: ``preset`` (``default`` or
-``paper``) and any :class:`sfi.SFIConfig` field; the defaults are the library's. Unset, the
-plugin does nothing and vLLM runs stock. The sentence trigger sees each step's input tokens,
+``paper``) and any :class:`sfi.SFIConfig` field; the defaults are the library's; ``slots=N``
+sets how many requests hold a fast memory at once (default ``min(max_num_seqs, 8)``; a request
+that starts while all are held runs at full attention). Unset, the plugin does nothing and
+vLLM runs stock. The sentence trigger sees each step's input tokens,
 which the plugin records for the architectures in :data:`sfi.vllm.backend.TOKEN_ARCHITECTURES`;
 other models need a token-free trigger.
 
@@ -21,9 +23,9 @@ from __future__ import annotations
 
 import os
 
-from sfi.vllm.settings import ENV, configure, parse_config
+from sfi.vllm.settings import ENV, configure, parse_config, parse_settings
 
-__all__ = ["ENV", "configure", "parse_config", "register"]
+__all__ = ["ENV", "configure", "parse_config", "parse_settings", "register"]
 
 
 def register() -> None:
@@ -31,7 +33,8 @@ def register() -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    configure(parse_config(spec))
+    config, slots = parse_settings(spec)
+    configure(config, slots)
     from sfi.vllm import backend
 
     backend.install()

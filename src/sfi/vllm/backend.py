@@ -60,7 +60,7 @@ from sfi.vllm.requests import (
     blocks_per_slot,
     slot_capacity,
 )
-from sfi.vllm.settings import active_config
+from sfi.vllm.settings import active_config, active_slots
 
 log = logging.getLogger(__name__)
 TESTED_VLLM = ("0.32", "0.33")
@@ -208,7 +208,8 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
             from sfi.models import load_tokenizer
 
             classes = token_classes(load_tokenizer(vllm_config.model_config.tokenizer))
-        _book = RequestBook(config, vllm_config.scheduler_config.max_num_seqs, capacity,
+        _book = RequestBook(config, active_slots(vllm_config.scheduler_config.max_num_seqs),
+                            capacity,
                             make_scorer("sfi", config), classes,
                             vllm_config.model_config.hf_text_config.num_hidden_layers)
         _book_generation = generation
@@ -230,7 +231,7 @@ def _rows_of(common: CommonAttentionMetadata, rows: list[int], starts: list[int]
     qsl = torch.zeros(len(rows) + 1, dtype=lens.dtype)
     torch.cumsum(lens, 0, out=qsl[1:])
     index = torch.tensor(rows)
-    per_row = {"is_prefilling", "rswa_prefix_lens", "dcp_local_seq_lens",
+    per_row = {"is_prefilling", "rswa_prefix_lens", "dcp_local_seq_lens", "causal",
                "dcp_local_seq_lens_cpu_upper_bound", "encoder_seq_lens"}
     changes: dict[str, Any] = {
         f.name: value.index_select(0, index.to(value.device))
@@ -379,6 +380,7 @@ class SFIBuilder:
 
 
 _layouts: dict[tuple[Any, ...], CacheLayout] = {}
+_logged: set[tuple[int, int]] = set()  # buffer sizes told
 
 
 def _cache_layout(layer: Any, impl: Any, cache: torch.Tensor) -> CacheLayout:
@@ -404,10 +406,18 @@ class SlotCoverage:
     """What a probe layer keeps of one slot's memory to check it (``sfi.coverage``).
 
     Attributes:
-        centre, radius: ``[1, H, P, D]`` the key boxes of the request's pages at the refresh.
+        request: whose memory (:attr:`RowPlan.request`).
+        low, high: ``[1, H, P, D]`` the element-wise bounds of the request's pages, of which
+            ``done`` positions are summarised (kept from refresh to refresh: only the pages
+            written since are summarised again).
+        centre, radius: ``[1, H, P, D]`` the boxes, ``(high + low) / 2``, ``(high - low) / 2``.
         selected: ``[1, H, k]`` the selected positions; lo, hi: ``[1]`` the middle region.
     """
 
+    request: int
+    low: torch.Tensor
+    high: torch.Tensor
+    done: int
     centre: torch.Tensor
     radius: torch.Tensor
     selected: torch.Tensor
@@ -460,6 +470,12 @@ class SFIImpl:
         nb = requests.slots * md.builder.blocks_per_slot(requests)
         if self.buffer is None or self.buffer.shape[0] != nb:
             self.buffer = empty_like_cache(kv_cache, nb)
+            if (requests.slots, requests.capacity) not in _logged:
+                _logged.add((requests.slots, requests.capacity))
+                size = self.buffer.numel() * self.buffer.element_size()
+                log.info("sfi.vllm: %d fast-memory slots of %d entries: %.1f MiB per attention "
+                         "layer, outside vLLM's KV pool", requests.slots, requests.capacity,
+                         size / 2**20)
         shape = (requests.slots, requests.config.evidence_window, *query.shape[1:])
         if self.prompt_queries is None or self.prompt_queries.shape != shape:
             self.prompt_queries = query.new_zeros(shape)
@@ -500,8 +516,9 @@ class SFIImpl:
                                         requests.config.page_size, queries, keys, self.scale,
                                         softcap)
             if probing:
-                self.coverage[plan.slot] = _slot_coverage(keys, selected, memory,
-                                                          _probe_page(requests.config))
+                self.coverage[plan.slot] = _slot_coverage(
+                    self.coverage.get(plan.slot), plan.request, keys, selected, memory,
+                    _probe_page(requests.config))
             positions = memory_positions(memory, selected, end)
             heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
             first = plan.slot * per_slot * cache_keys.shape[2]
@@ -543,13 +560,23 @@ def _probe_page(config: Any) -> int:
     return config.page_size if config.page_size > 1 else DEFAULT_PAGE
 
 
-def _slot_coverage(keys: torch.Tensor, selected: torch.Tensor, memory: Any, page: int
-                   ) -> SlotCoverage:
+def _slot_coverage(previous: SlotCoverage | None, request: int, keys: torch.Tensor,
+                   selected: torch.Tensor, memory: Any, page: int) -> SlotCoverage:
     """A probe layer's record of a new memory: ``keys [H, T, D]`` the request's keys read at
-    the refresh, ``selected [H, k]``."""
-    low, high = page_bounds(keys[None], page)
-    device = keys.device
-    return SlotCoverage(centre=(high + low) / 2, radius=(high - low) / 2,
+    the refresh, ``selected [H, k]``; the page bounds of ``previous`` (the slot's last record)
+    are kept if it was the same request's."""
+    t, device = keys.shape[1], keys.device
+    first = 0
+    if previous is not None and previous.request == request and previous.done <= t:
+        first = previous.done // page  # the page that was partial then, and those after it
+    new_low, new_high = page_bounds(keys[None, :, first * page:], page)
+    if first:
+        low = torch.cat([previous.low[:, :, :first], new_low], dim=2)
+        high = torch.cat([previous.high[:, :, :first], new_high], dim=2)
+    else:
+        low, high = new_low, new_high
+    return SlotCoverage(request=request, low=low, high=high, done=t,
+                        centre=(high + low) / 2, radius=(high - low) / 2,
                         selected=selected[None],
                         lo=torch.tensor([memory.sink_end], device=device),
                         hi=torch.tensor([memory.recent_start], device=device))

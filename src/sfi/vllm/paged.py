@@ -156,12 +156,14 @@ def read_prefix(half: torch.Tensor, block_row: torch.Tensor, total: int,
     blocks = block_row[: -(-total // bs)].long()
     if isinstance(layout, torch.Tensor):
         layout = layout.to(half.device)
-    if isinstance(layout, str):
-        paged = half.view(nb, h, d, bs).index_select(0, blocks)  # [n, H, D, bs]
-        return paged.permute(1, 2, 0, 3).reshape(h, d, -1)[:, :, :total].transpose(1, 2)
+    if isinstance(layout, str):  # one gather straight into [H, D, n, bs] (no second copy)
+        paged = half.view(nb, h, d, bs).permute(1, 2, 0, 3).index_select(2, blocks)
+        return paged.reshape(h, d, -1)[:, :, :total].transpose(1, 2)
+    if layout is None:
+        paged = half.permute(1, 0, 2, 3).index_select(1, blocks)  # [H, n, bs, D]
+        return paged.reshape(h, -1, d)[:, :total]
     paged = half.index_select(0, blocks)  # [n, H, bs, D]
-    if layout is not None:
-        paged = paged.reshape(-1, h, bs * d).index_select(2, layout).view(-1, h, bs, d)
+    paged = paged.reshape(-1, h, bs * d).index_select(2, layout).view(-1, h, bs, d)
     return paged.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :total]
 
 

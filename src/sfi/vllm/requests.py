@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sfi.config import SFIConfig
 from sfi.coverage import probe_layers
@@ -87,6 +87,7 @@ class RowPlan:
         record: prompt queries to record from this row (its last ``record`` query tokens).
         evidence: for ``select``, how many recorded prompt queries are evidence.
         reason: why a slow step refreshes.
+        request: which request (a serial number on this worker; -1 for untracked rows).
     """
 
     row: int
@@ -98,6 +99,7 @@ class RowPlan:
     record: int = 0
     evidence: int = 0
     reason: str | None = None
+    request: int = -1
 
 
 @dataclass
@@ -105,12 +107,13 @@ class RequestState:
     """One live request's slow-fast state on this worker."""
 
     key: int
-    slot: int
+    slot: int | None
     seq: SequenceState
     prompt_length: int = 0
     recorded: int = 0  # prompt queries recorded (at most W)
     length: int = 0  # entries its slot holds (0: no memory)
     seen: int = 0  # the last step it took part in
+    serial: int = -1  # which request this is (the book counts the requests it started)
 
 
 @dataclass
@@ -123,6 +126,7 @@ class BookStats:
     mixed_steps: int = 0  # steps with both dense-reading and fast rows
     requests: int = 0
     slots_reused: int = 0
+    unslotted: int = 0  # requests that found no free slot (full attention throughout)
     reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -131,7 +135,8 @@ class RequestBook:
 
     Args:
         config: the SFI configuration every request uses.
-        slots: how many requests may hold a fast memory at once (vLLM's ``max_num_seqs``).
+        slots: how many requests may hold a fast memory at once; a request that starts while
+            every slot is held by a live request runs at full attention (stock) to its end.
         capacity: entries per slot (:func:`slot_capacity`).
         scorer: what ranks positions at a refresh.
         classes: the vocabulary's sentence enders and blanks (the sentence trigger needs them).
@@ -180,7 +185,7 @@ class RequestBook:
                 continue
             state = self._state(key, fresh=(q == t), step=step, live=live)
             state.seen = step
-            plans.append(self._decide(row, state, q, t, token))
+            plans.append(replace(self._decide(row, state, q, t, token), request=state.serial))
         kinds = [p.kind for p in plans]
         for kind in kinds:
             self.stats.rows[kind] += 1
@@ -200,17 +205,20 @@ class RequestBook:
         seq = SequenceState(pad=0, config=c,
                             trigger=make_trigger(c, self.classes, self._started - 1),
                             scorer=self.scorer)
-        state = RequestState(key=key, slot=slot, seq=seq)
+        state = RequestState(key=key, slot=slot, seq=seq, serial=self._started)
         self.requests[key] = state
         self.stats.requests += 1
         return state
 
-    def _take_slot(self, live: set[int]) -> int:
+    def _take_slot(self, live: set[int]) -> int | None:
+        for state in [s for s in self.requests.values() if s.slot is None and s.key not in live]:
+            del self.requests[state.key]  # unslotted requests that ended
         if not self.free:  # requests that left the batch (finished) give their slots back
-            gone = sorted((s for s in self.requests.values() if s.key not in live),
-                          key=lambda s: s.seen)
+            gone = sorted((s for s in self.requests.values()
+                           if s.key not in live and s.slot is not None), key=lambda s: s.seen)
             if not gone:
-                raise RuntimeError("more live requests than plugin slots (max_num_seqs)")
+                self.stats.unslotted += 1
+                return None
             self._release(gone[0])
         slot = self.free.pop()
         if slot in self.used_slots:
@@ -220,10 +228,15 @@ class RequestBook:
 
     def _release(self, state: RequestState) -> None:
         del self.requests[state.key]
-        self.free.append(state.slot)
+        if state.slot is not None:
+            self.free.append(state.slot)
 
     def _decide(self, row: int, state: RequestState, q: int, t: int, token: int) -> RowPlan:
         c, seq = self.config, state.seq
+        if state.slot is None:  # no room for a memory: stock attention throughout
+            if q == 1:
+                seq.stats.dense_steps += 1
+            return RowPlan(row, DENSE, None, t)
         if q > 1:  # a prompt chunk
             record = min(c.evidence_window, q)
             state.recorded = min(c.evidence_window, state.recorded + q)

@@ -3,29 +3,45 @@
 from __future__ import annotations
 
 from sfi.config import SFIConfig, parse_overrides
+from sfi.errors import SFIConfigError
 from sfi.vllm.requests import check_plugin_config
 
 ENV = "SFI_VLLM"
+DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries per layer)
 
 
 def parse_config(spec: str) -> SFIConfig:
     """The SFI configuration of an ``SFI_VLLM`` value: ``name=value`` items separated by
-    commas, ``preset`` (``default`` or ``paper``) and any :class:`sfi.SFIConfig` field."""
+    commas, ``preset`` (``default`` or ``paper``) and any :class:`sfi.SFIConfig` field (and
+    the plugin's ``slots``, see :func:`parse_settings`)."""
+    return parse_settings(spec)[0]
+
+
+def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
+    """An ``SFI_VLLM`` value's configuration and ``slots=N``, how many requests hold a fast
+    memory at once (None: ``min(max_num_seqs, DEFAULT_SLOTS)``; requests beyond run at full
+    attention)."""
     items = [item.strip() for item in spec.split(",") if item.strip()]
     preset = "default"
+    slots = None
     rest = []
     for item in items:
         name, _, value = item.partition("=")
         if name.strip() == "preset":
             preset = value.strip()
+        elif name.strip() == "slots":
+            if not value.strip().isdigit() or int(value) < 1:
+                raise SFIConfigError(f"{ENV}: slots must be a whole number >= 1, got {value!r}")
+            slots = int(value)
         else:
             rest.append(item)
     config = SFIConfig.from_preset(preset, **parse_overrides(rest, where=ENV))
     check_plugin_config(config)
-    return config
+    return config, slots
 
 
 _config: SFIConfig | None = None
+_slots: int | None = None
 _generation = 0
 
 
@@ -35,11 +51,19 @@ def active_config() -> tuple[SFIConfig | None, int]:
     return _config, _generation
 
 
-def configure(config: SFIConfig | None) -> None:
+def active_slots(max_num_seqs: int) -> int:
+    """How many fast memories the plugin holds for an engine of ``max_num_seqs``."""
+    return min(max_num_seqs, _slots or DEFAULT_SLOTS)
+
+
+def configure(config: SFIConfig | None, slots: int | None = None) -> None:
     """Set (or, with None, switch off) the configuration in this process, for an engine that
-    runs in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the next step starts from a new book."""
-    global _config, _generation
+    runs in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the next step starts from a new book.
+    ``slots``: see :func:`parse_settings`."""
+    global _config, _slots, _generation
     if config is not None:
         check_plugin_config(config)
-    _config = config
+    if slots is not None and slots < 1:
+        raise SFIConfigError(f"slots must be >= 1, got {slots}")
+    _config, _slots = config, slots
     _generation += 1
