@@ -149,6 +149,17 @@ def test_slots_of_finished_requests_are_reused():
     assert sorted(requests.requests) == [4, 6] and requests.requests[6].slot == 0
 
 
+def test_request_serials_are_never_reused_even_by_a_new_book():
+    """Layers keep per-slot state (coverage page bounds) told apart by request serial: a new
+    book (SFI reconfigured) reusing slot 0 must not pass for the old book's request."""
+    config = SFIConfig(**SMALL, trigger="fixed", period=50)
+    first, second = book(config, slots=1), book(config, slots=1)
+    first.plan([5], [40], [40])
+    second.plan([5], [40], [40])
+    assert first.requests[5].slot == second.requests[5].slot == 0
+    assert first.requests[5].serial != second.requests[5].serial
+
+
 def test_the_plugins_slots_are_set_in_sfi_vllm():
     from sfi.vllm.settings import DEFAULT_SLOTS, active_slots, configure, parse_settings
 

@@ -29,6 +29,7 @@ it, where the transformers path would not refresh).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,8 @@ from sfi.planner import DENSE, FAST, SLOW, Memory, SequenceState, decode_decisio
 from sfi.scorers import Scorer
 from sfi.triggers import BOOTSTRAP, TokenClasses, make_trigger
 
+_SERIALS = itertools.count()  # request serials, never reused in a process: per-slot state
+# that layers keep (coverage page bounds) is told apart by them, even across request books
 SELECT = "select"  # the first decode step after a prompt: select from it, then read fast
 CAPACITY = "capacity"
 NO_TOKEN = -1  # shown to a token-free trigger when the input token is not known
@@ -113,7 +116,7 @@ class RequestState:
     recorded: int = 0  # prompt queries recorded (at most W)
     length: int = 0  # entries its slot holds (0: no memory)
     seen: int = 0  # the last step it took part in
-    serial: int = -1  # which request this is (the book counts the requests it started)
+    serial: int = -1  # which request this is, unique in the process (across books)
 
 
 @dataclass
@@ -205,7 +208,7 @@ class RequestBook:
         seq = SequenceState(pad=0, config=c,
                             trigger=make_trigger(c, self.classes, self._started - 1),
                             scorer=self.scorer)
-        state = RequestState(key=key, slot=slot, seq=seq, serial=self._started)
+        state = RequestState(key=key, slot=slot, seq=seq, serial=next(_SERIALS))
         self.requests[key] = state
         self.stats.requests += 1
         return state
