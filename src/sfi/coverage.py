@@ -69,15 +69,30 @@ def pages_outside(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tenso
     of and whose keys the query bounds highest, per KV head: ``([n, H, m * P], [n, H, m * P]
     bool, the real ones)`` (m = min(top, pages); a page past the ``length`` positions, or none
     left to choose, is not real). Shapes as :func:`missing_rows`."""
-    n, h, pages = centre.shape[0], centre.shape[1], centre.shape[2]
-    starts = torch.arange(pages, device=centre.device) * page
-    # pages wholly inside the middle region (one reaching into the sinks or the recent window
-    # is partly read anyway) that the memory holds nothing of
+    outside = unheld_pages(memory, held, lo, hi, pages=centre.shape[2], page=page)
+    return best_pages(query, centre, radius, outside, page=page, top=top, length=length)
+
+
+def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                 *, pages: int, page: int) -> torch.Tensor:
+    """``[n, H, pages]`` bool: the pages wholly inside the middle region [lo, hi) (one reaching
+    into the sinks or the recent window is partly read anyway) that the memory (``memory
+    [n, H, C]`` positions, ``held [n, C]`` the slots holding a selected one) holds nothing of.
+    Fixed from one refresh to the next."""
+    n, h = memory.shape[0], memory.shape[1]
+    starts = torch.arange(pages, device=memory.device) * page
     middle = (starts[None, :] >= lo[:, None]) & (starts[None, :] + page <= hi[:, None])  # [n, P]
-    in_memory = torch.zeros(n, h, pages + 1, dtype=torch.bool, device=centre.device)
+    in_memory = torch.zeros(n, h, pages + 1, dtype=torch.bool, device=memory.device)
     slot_pages = torch.where(held[:, None, :], memory // page, pages).clamp(max=pages)
     in_memory.scatter_(-1, slot_pages, True)
-    outside = middle[:, None, :] & ~in_memory[..., :pages]  # [n, H, P]
+    return middle[:, None, :] & ~in_memory[..., :pages]
+
+
+def best_pages(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
+               outside: torch.Tensor, *, page: int, top: int, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pages_outside` given the pages to choose from, ``outside [n, H, P]``."""
+    pages = centre.shape[2]
     scores = box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
     best = torch.topk(scores, min(top, pages), dim=-1)  # [n, H, m]
     positions = best.indices[..., None] * page + torch.arange(page, device=centre.device)

@@ -35,7 +35,7 @@ import vllm
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from sfi.coverage import DEFAULT_PAGE, misses, pages_outside
+from sfi.coverage import DEFAULT_PAGE, best_pages, misses, unheld_pages
 from sfi.kernels import attention_logits
 from sfi.scorers.quest import page_bounds
 from sfi.scorers.registry import make_scorer
@@ -411,7 +411,8 @@ class SlotCoverage:
             ``done`` positions are summarised (kept from refresh to refresh: only the pages
             written since are summarised again).
         centre, radius: ``[1, H, P, D]`` the boxes, ``(high + low) / 2``, ``(high - low) / 2``.
-        selected: ``[1, H, k]`` the selected positions; lo, hi: ``[1]`` the middle region.
+        outside: ``[1, H, P]`` the middle region's pages the memory holds nothing of (the
+            pages a probe may ask for, fixed until the next refresh).
     """
 
     request: int
@@ -420,9 +421,7 @@ class SlotCoverage:
     done: int
     centre: torch.Tensor
     radius: torch.Tensor
-    selected: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
+    outside: torch.Tensor
 
 
 class SFIImpl:
@@ -545,10 +544,9 @@ class SFIImpl:
             q = query[md.query_start[plan.row]].view(1, h, -1, d)  # [1, H, G, D]
             keys = read_prefix(memory_keys, md.fast_blocks[i], plan.length, layout.keys)
             lse = torch.logsumexp(attention_logits(q, keys[None], self.scale, softcap), dim=-1)
-            positions, real = pages_outside(
-                q, held.centre, held.radius, held.selected,
-                torch.ones_like(held.selected[:, 0], dtype=torch.bool), held.lo, held.hi,
-                page=_probe_page(c), top=c.coverage_top, length=plan.total)
+            positions, real = best_pages(q, held.centre, held.radius, held.outside,
+                                         page=_probe_page(c), top=c.coverage_top,
+                                         length=plan.total)
             chosen = read_positions(cache_keys, md.block_table[plan.row], positions[0], order)
             if misses(q, chosen[None], real, lse, threshold=c.coverage_threshold,
                       scale=self.scale, softcap=softcap)[0]:
@@ -575,11 +573,12 @@ def _slot_coverage(previous: SlotCoverage | None, request: int, keys: torch.Tens
         high = torch.cat([previous.high[:, :, :first], new_high], dim=2)
     else:
         low, high = new_low, new_high
+    outside = unheld_pages(selected[None], torch.ones_like(selected[:1], dtype=torch.bool),
+                           torch.tensor([memory.sink_end], device=device),
+                           torch.tensor([memory.recent_start], device=device),
+                           pages=low.shape[2], page=page)
     return SlotCoverage(request=request, low=low, high=high, done=t,
-                        centre=(high + low) / 2, radius=(high - low) / 2,
-                        selected=selected[None],
-                        lo=torch.tensor([memory.sink_end], device=device),
-                        hi=torch.tensor([memory.recent_start], device=device))
+                        centre=(high + low) / 2, radius=(high - low) / 2, outside=outside)
 
 
 def _layer_index(layer: Any) -> int:
