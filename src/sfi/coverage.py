@@ -55,22 +55,11 @@ def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
         lse: ``[n, H, G]`` log-sum-exp of the fast step's logits over its memory.
     """
     t = keys.shape[-2]
-    positions, real = pages_outside(query, centre, radius, memory, held, lo, hi, page=page,
-                                    top=top, length=t)
+    outside = unheld_pages(memory, held, lo, hi, pages=centre.shape[2], page=page)
+    positions, real = best_pages(query, centre, radius, outside, page=page, top=top, length=t)
     heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
     chosen = keys[rows[:, None, None], heads, positions]  # [n, H, m * P, D]: only those pages
     return misses(query, chosen, real, lse, threshold=threshold, scale=scale, softcap=softcap)
-
-
-def pages_outside(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
-                  memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                  *, page: int, top: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions of the ``top`` pages of the middle region that the memory holds nothing
-    of and whose keys the query bounds highest, per KV head: ``([n, H, m * P], [n, H, m * P]
-    bool, the real ones)`` (m = min(top, pages); a page past the ``length`` positions, or none
-    left to choose, is not real). Shapes as :func:`missing_rows`."""
-    outside = unheld_pages(memory, held, lo, hi, pages=centre.shape[2], page=page)
-    return best_pages(query, centre, radius, outside, page=page, top=top, length=length)
 
 
 def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -91,7 +80,10 @@ def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi:
 def best_pages(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
                outside: torch.Tensor, *, page: int, top: int, length: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pages_outside` given the pages to choose from, ``outside [n, H, P]``."""
+    """The positions of the ``top`` pages among ``outside [n, H, P]`` (:func:`unheld_pages`)
+    whose keys the query bounds highest, per KV head: ``([n, H, m * P], [n, H, m * P] bool,
+    the real ones)`` (m = min(top, pages); a page past the ``length`` positions, or none left
+    to choose, is not real). Shapes as :func:`missing_rows`."""
     pages = centre.shape[2]
     scores = box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
     best = torch.topk(scores, min(top, pages), dim=-1)  # [n, H, m]

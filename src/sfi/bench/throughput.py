@@ -82,11 +82,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def kv_bytes_per_entry(model: torch.nn.Module) -> int:
-    """Bytes of one cached position across all layers and KV heads (keys and values)."""
+def kv_bytes_per_entry(model: torch.nn.Module, element: int | None = None) -> int:
+    """Bytes of one cached position across all layers and KV heads (keys and values) of a
+    model or its config, ``element`` bytes per number (default: the model's weights')."""
     cfg = text_config(model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    element = next(model.parameters()).element_size()
+    if element is None:
+        element = next(model.parameters()).element_size()
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element
 
 

@@ -42,7 +42,6 @@ from sfi.scorers.registry import make_scorer
 from sfi.triggers import token_classes
 from sfi.vllm.paged import (
     CacheLayout,
-    as_order,
     empty_like_cache,
     memory_positions,
     probe_layout,
@@ -107,9 +106,11 @@ _built = False  # an SFI builder made this process's attention metadata
 def _check_backend_wrapped() -> None:
     """Refuse a step whose attention metadata no SFI builder made (vLLM picked a backend sfi
     does not wrap): SFI_VLLM is set, so running stock would silently ignore it."""
+    if _built:  # every step after the first
+        return
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    if _built or not is_forward_context_available():
+    if not is_forward_context_available():
         return
     metadata = get_forward_context().attn_metadata
     if metadata:  # None or empty in profiling runs
@@ -209,8 +210,7 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
 
             classes = token_classes(load_tokenizer(vllm_config.model_config.tokenizer))
         _book = RequestBook(config, active_slots(vllm_config.scheduler_config.max_num_seqs),
-                            capacity,
-                            make_scorer("sfi", config), classes,
+                            capacity, make_scorer("sfi", config), classes,
                             vllm_config.model_config.hf_text_config.num_hidden_layers)
         _book_generation = generation
     return _book
@@ -339,12 +339,11 @@ class SFIBuilder:
     """Mixed into a stock metadata builder (first in the bases): the step's metadata becomes an
     :class:`SFIMetadata`, and the stock ``build`` runs once per part of the batch."""
 
-    _cudagraph_support = AttentionCGSupport.NEVER  # parts and memories change every step
     supports_update_block_table = False
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
-        return AttentionCGSupport.NEVER
+        return AttentionCGSupport.NEVER  # the parts and memories change at every step
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Any:
@@ -428,6 +427,7 @@ class SFIImpl:
     """Mixed into a stock attention impl (first in the bases): the stock kernel runs on each
     part of the batch, plus the memories' upkeep and, in probe layers, the coverage probes."""
 
+    layer_idx: int | None = None  # the model layer this impl serves (from its name)
     buffer: torch.Tensor | None = None  # [slots * blocks, H, bs, 2 * D], the cache's layout
     prompt_queries: torch.Tensor | None = None  # [slots, W, Hq, D]
     coverage: dict[int, SlotCoverage] | None = None  # per slot, in probe layers
@@ -443,6 +443,8 @@ class SFIImpl:
                          output_block_scale)
         requests = _book
         md.plan(requests)
+        if self.layer_idx is None:
+            self.layer_idx = _layer_index(layer)
         self._ensure_buffers(requests, md, kv_cache, query)
         self._record_prompt_queries(md, query)
         if md.stock is not None:
@@ -460,7 +462,7 @@ class SFIImpl:
             stock(layer, query.index_select(0, md.fast_tokens), key, value, self.buffer,
                   md.fast, part)
             output.index_copy_(0, md.fast_tokens, part)
-            if _layer_index(layer) in requests.probes:
+            if self.layer_idx in requests.probes:
                 self._probe_coverage(layer, requests, md, query, kv_cache)
         return output
 
@@ -497,9 +499,8 @@ class SFIImpl:
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys, cache_values = layout.halves(kv_cache)
         per_slot = md.builder.blocks_per_slot(requests)
-        layer_idx = _layer_index(layer)
         softcap = getattr(self, "logits_soft_cap", None) or None
-        probing = layer_idx in requests.probes
+        probing = self.layer_idx in requests.probes
         for plan in md.refreshing:
             memory = plan.memory
             block_row = md.block_table[plan.row]
@@ -511,7 +512,7 @@ class SFIImpl:
                 start = md.query_start[plan.row]
                 queries = query[start: start + 1]
             keys = read_prefix(cache_keys, block_row, end, layout.keys)
-            selected = select_positions(requests.scorer, memory, layer_idx,
+            selected = select_positions(requests.scorer, memory, self.layer_idx,
                                         requests.config.page_size, queries, keys, self.scale,
                                         softcap)
             if probing:
@@ -526,7 +527,6 @@ class SFIImpl:
             _store(layer, self, self.buffer, keys[heads, positions].transpose(0, 1),
                    values.transpose(0, 1), slots)
 
-
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """Check each fast row's memory: flag the requests whose memory misses pages the query
@@ -535,8 +535,7 @@ class SFIImpl:
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]
         memory_keys = layout.halves(self.buffer)[0]
-        bs, d = cache_keys.shape[2], cache_keys.shape[3]
-        order = as_order(layout.keys, bs, d)
+        d = cache_keys.shape[3]
         softcap = getattr(self, "logits_soft_cap", None) or None
         h = cache_keys.shape[1]
         for i, plan in enumerate(md.fast_plans):
@@ -547,7 +546,8 @@ class SFIImpl:
             positions, real = best_pages(q, held.centre, held.radius, held.outside,
                                          page=_probe_page(c), top=c.coverage_top,
                                          length=plan.total)
-            chosen = read_positions(cache_keys, md.block_table[plan.row], positions[0], order)
+            chosen = read_positions(cache_keys, md.block_table[plan.row], positions[0],
+                                    layout.key_order)
             if misses(q, chosen[None], real, lse, threshold=c.coverage_threshold,
                       scale=self.scale, softcap=softcap)[0]:
                 requests.flag_coverage_miss(plan.slot)

@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 
-from sfi.bench.throughput import benchmark_ids, measure_bandwidth, measure_cell
+from sfi.bench.throughput import (
+    benchmark_ids,
+    kv_bytes_per_entry,
+    measure_bandwidth,
+    measure_cell,
+)
 from sfi.config import SFIConfig
 from sfi.prefix import prefix_kv
 
@@ -65,17 +70,6 @@ def make_engine(path: str | Path, max_model_len: int, max_num_seqs: int, kv_byte
                max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=0,
                enforce_eager=eager, distributed_executor_backend="uni",
                kv_cache_memory_bytes=kv_bytes, **extra)
-
-
-def kv_bytes_per_position(path: str | Path, dtype: str) -> int:
-    """Bytes one cached position takes across layers and KV heads, from the model's config."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(path))
-    cfg = getattr(cfg, "text_config", cfg)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element
 
 
 def time_decode(llm: Any, prompts: Sequence[list[int]], new_tokens: int, warmup: int
@@ -149,7 +143,11 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
 
     say = progress or (lambda _msg: None)
     longest = max(contexts) + warmup + new_tokens + 2
-    kv_bytes = int(kv_bytes_per_position(path, dtype) * longest * max(batches) * 1.25)
+    from transformers import AutoConfig
+
+    element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    per_position = kv_bytes_per_entry(AutoConfig.from_pretrained(str(path)), element)
+    kv_bytes = int(per_position * longest * max(batches) * 1.25)
     llm = make_engine(path, longest, max(batches), kv_bytes, dtype, eager, attention_backend)
     bandwidth = measure_bandwidth() if own_engine else None
     rows: list[EngineRow] = []

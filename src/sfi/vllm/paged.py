@@ -48,12 +48,14 @@ class CacheLayout:
     Attributes:
         split: :data:`BLOCKS` or :data:`CHANNELS`.
         keys: how the key half stores a block's ``bs * D`` entries (a :data:`KeyLayout`).
-        values: the value half's order, a ``[bs * D]`` permutation or None (natural).
-        With the channels split both are natural.
+        key_order / values: the key and value halves' orders as :func:`read_positions` takes
+            them, a ``[bs * D]`` permutation or None (natural).
+        With the channels split all are natural.
     """
 
     split: str
     keys: KeyLayout = None
+    key_order: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
     def halves(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,13 +66,6 @@ class CacheLayout:
             keys, values = cache.view(nb, h, bs * 2, two_d // 2).chunk(2, dim=2)
             return keys, values
         return cache[..., : two_d // 2], cache[..., two_d // 2:]
-
-
-def as_order(layout: KeyLayout, bs: int, d: int) -> torch.Tensor | None:
-    """``layout`` as a ``[bs * D]`` permutation (None for the natural layout)."""
-    if isinstance(layout, str):
-        return torch.arange(bs * d).view(d, bs).t().reshape(-1)
-    return layout
 
 
 def empty_like_cache(cache: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -101,7 +96,7 @@ def probe_layout(write: CacheWrite, bs: int, d: int, dtype: torch.dtype,
             continue
         if split == CHANNELS and (key_order is not None or value_order is not None):
             continue  # permuted along channels: no backend does this, and reads would copy
-        return CacheLayout(split, _named(key_order, bs, d), value_order)
+        return CacheLayout(split, _named(key_order, bs, d), key_order, value_order)
     raise RuntimeError("the backend's cache op does not store a block as sfi knows how to read "
                        "it (keys then values per head, or per position)")
 
@@ -142,7 +137,8 @@ def _stored_order(half: torch.Tensor, marks: torch.Tensor) -> torch.Tensor | boo
 
 
 def _named(order: torch.Tensor | None, bs: int, d: int) -> KeyLayout:
-    if order is not None and torch.equal(order, as_order(DIM_MAJOR, bs, d)):
+    """``order`` named :data:`DIM_MAJOR` when it is (:func:`read_prefix` reads it faster)."""
+    if order is not None and torch.equal(order, torch.arange(bs * d).view(d, bs).t().flatten()):
         return DIM_MAJOR
     return order
 

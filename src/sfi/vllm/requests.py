@@ -161,7 +161,6 @@ class RequestBook:
         self.used_slots: set[int] = set()
         self.stats = BookStats()
         self.probes = probe_layers(config.coverage_layers, range(layers), config.dense_layers)
-        self._started = 0
 
     # --- the step --------------------------------------------------------------------------
     def plan(self, keys: Sequence[int], query_lens: Sequence[int], seq_lens: Sequence[int],
@@ -204,9 +203,8 @@ class RequestBook:
             self._release(state)
         slot = self._take_slot(live)
         c = self.config
-        self._started += 1
         seq = SequenceState(pad=0, config=c,
-                            trigger=make_trigger(c, self.classes, self._started - 1),
+                            trigger=make_trigger(c, self.classes, self.stats.requests),
                             scorer=self.scorer)
         state = RequestState(key=key, slot=slot, seq=seq, serial=next(_SERIALS))
         self.requests[key] = state
