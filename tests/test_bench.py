@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from sfi import SFIConfig, SFIError
+from sfi import SFIConfig, SFIError, layout
 from sfi.bench.throughput import (
     MODES,
     estimate_bytes,
@@ -18,7 +18,7 @@ from sfi.bench.throughput import (
     run_bench,
     weight_bytes,
 )
-from sfi.layout import prefer_decode_layout
+from sfi.layout import PackedLinear, onednn_packs, prefer_decode_layout
 
 ROW_FIELDS = {"mode", "context", "batch", "decode_tok_s", "fast_step_ms", "slow_step_ms",
               "slow_fraction", "speedup_vs_full", "floor_ms"}
@@ -75,19 +75,47 @@ def test_floor_accounting():
     assert estimate_bytes(model, 100, 2) == kv_bytes_per_entry(model) * 100 * 2 * 3
 
 
-def test_decode_layout_changes_strides_not_results(smol_tokenizer):
-    model = tiny_model("llama", vocab_size=len(smol_tokenizer))
+def _tied_tiny_llama(tokenizer):
+    model = tiny_model("llama", vocab_size=len(tokenizer))
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.model.embed_tokens.weight  # tied, like SmolLM2
+    return model
+
+
+def _logits(model):
     ids = torch.randint(0, 1000, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        before = model(input_ids=ids).logits
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.skipif(not onednn_packs(torch.float32), reason="no oneDNN packing on this CPU")
+def test_decode_layout_packs_linears_without_changing_results(smol_tokenizer):
+    model = _tied_tiny_llama(smol_tokenizer)
+    embed = model.model.embed_tokens.weight.clone()
+    dense = {name: m.weight.detach().clone() for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    before = _logits(model)
+    assert prefer_decode_layout(model) == 2 * 7 + 1  # every projection of two layers, lm_head
+    packed = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert packed.keys() == dense.keys()
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    for name, module in packed.items():  # the packed weight holds the same numbers
+        assert torch.equal(module.weight, dense[name])
+    assert torch.equal(model.model.embed_tokens.weight, embed)  # the embedding keeps its table
+    assert weight_bytes(model) == sum(w.numel() * 4 for w in dense.values()) + sum(
+        p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=1e-5)
+    assert prefer_decode_layout(model) == 0  # nothing left to change
+
+
+def test_decode_layout_transposes_wide_weights_without_onednn(smol_tokenizer, monkeypatch):
+    monkeypatch.setattr(layout, "onednn_packs", lambda dtype: False)
+    model = _tied_tiny_llama(smol_tokenizer)
+    before = _logits(model)
     changed = prefer_decode_layout(model)
     assert changed == 2 * 4 + 1  # q, o, gate, up of two layers (out >= in) and lm_head
     assert model.lm_head.weight.stride() == (1, model.lm_head.weight.shape[0])
     assert model.model.embed_tokens.weight.is_contiguous()  # the embedding keeps its layout
     mlp = model.model.layers[0].mlp
     assert mlp.down_proj.weight.is_contiguous()  # out < in stays as it was
-    with torch.inference_mode():
-        after = model(input_ids=ids).logits
-    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=1e-5)

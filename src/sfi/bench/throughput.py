@@ -30,6 +30,7 @@ from sfi.config import SFIConfig
 from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
 from sfi.hf import context_length, text_config
+from sfi.layout import PackedLinear
 from sfi.methods import build_cache
 from sfi.prefix import prefix_kv
 
@@ -75,9 +76,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        for p in module.parameters(recurse=False):
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
+        tensors = list(module.parameters(recurse=False))
+        if isinstance(module, PackedLinear):
+            tensors.append(module.packed_weight)  # opaque: no data pointer, one owner
+        for p in tensors:
+            key = id(p) if p.is_mkldnn else p.data_ptr()
+            if key not in seen:
+                seen.add(key)
                 total += p.numel() * p.element_size()
     return total
 
