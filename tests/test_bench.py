@@ -11,13 +11,17 @@ import torch
 from conftest import tiny_model
 
 from sfi import SFIConfig, SFIError, layout
+from sfi import load as sfi_load
 from sfi.bench.throughput import (
     MODES,
+    benchmark_ids,
     estimate_bytes,
     kv_bytes_per_entry,
     run_bench,
+    run_weight_formats,
     weight_bytes,
 )
+from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
 from sfi.layout import PackedLinear, onednn_packs, prefer_decode_layout
 
 ROW_FIELDS = {"mode", "context", "batch", "decode_tok_s", "fast_step_ms", "slow_step_ms",
@@ -109,7 +113,7 @@ def test_decode_layout_packs_linears_without_changing_results(smol_tokenizer):
 
 
 def test_decode_layout_transposes_wide_weights_without_onednn(smol_tokenizer, monkeypatch):
-    monkeypatch.setattr(layout, "onednn_packs", lambda dtype: False)
+    monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
     model = _tied_tiny_llama(smol_tokenizer)
     before = _logits(model)
     changed = prefer_decode_layout(model)
@@ -119,3 +123,74 @@ def test_decode_layout_transposes_wide_weights_without_onednn(smol_tokenizer, mo
     mlp = model.model.layers[0].mlp
     assert mlp.down_proj.weight.is_contiguous()  # out < in stays as it was
     torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=1e-5)
+
+
+needs_bf16 = pytest.mark.skipif(not layout.format_runs("bf16", torch.float32),
+                                reason="bf16 weights need x86 with oneDNN")
+
+
+@needs_bf16
+def test_bf16_weights_approximate_the_linear_layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    x = torch.randn(2, 3, 64)
+    packed = PackedLinear(linear, "bf16")
+    with torch.inference_mode():
+        got, expected = packed(x), linear(x)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 96)
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert 0 < error < 3e-2  # not exact, but close
+    assert torch.equal(packed.weight, linear.weight.detach().bfloat16())
+    assert packed.stored_bytes() == 96 * 64 * 2
+
+
+def test_weight_formats_are_refused_by_name_where_they_cannot_run(monkeypatch):
+    model = tiny_model("llama")
+    with pytest.raises(SFIError, match="unknown weight format 'fp8'"):
+        prefer_decode_layout(model, "fp8")
+    monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
+    with pytest.raises(SFIError, match="weights='bf16' needs an x86 CPU"):
+        prefer_decode_layout(model, "bf16")
+    with pytest.raises(SFIError, match="needs device='cpu' and decode_layout=True"):
+        sfi_load("default", decode_layout=False, weights="bf16")
+
+
+@needs_bf16
+def test_weight_formats_bench_in_one_run_with_their_fidelity(smol_tokenizer):
+    def load_model(name):
+        model = tiny_model("llama", vocab_size=len(smol_tokenizer))
+        prefer_decode_layout(model, name)
+        return model, smol_tokenizer
+
+    result = run_weight_formats(load_model, ["native", "bf16"], fidelity_tokens=64,
+                                contexts=[48], batches=[1], new_tokens=2,
+                                config=SFIConfig(sink=2, k_head=8, recent=8, evidence_window=4),
+                                modes=["full", "sfi"], synthetic_kv=True)
+    rows = result["rows"]
+    assert [(r["weights"], r["mode"]) for r in rows] == [
+        ("native", "full"), ("native", "sfi"), ("bf16", "full"), ("bf16", "sfi")]
+    assert all(r["speedup_vs_native"] > 0 for r in rows)
+    assert [r["speedup_vs_native"] for r in rows[:2]] == [1.0, 1.0]
+    bytes_by = result["weight_bytes_by_format"]
+    assert bytes_by["bf16"] < bytes_by["native"] * 0.6  # half, beside the fp32 norms
+    (fidelity,) = result["fidelity"]
+    assert fidelity["weights"] == "bf16" and fidelity["tokens"] == 63
+    assert -1e-6 < fidelity["kl_mean"] <= fidelity["kl_max"] and fidelity["kl_max"] > 0
+    assert 0 <= fidelity["top1"] <= 1 and fidelity["ppl"] != fidelity["ppl_native"]
+
+
+def test_weight_fidelity_of_the_native_weights_is_perfect(smol_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smol_tokenizer))
+    ids = benchmark_ids(smol_tokenizer, 40, 1)
+    native = next_token_log_probs(model, ids)
+    same = weight_fidelity("native", native, model, ids)
+    assert same.kl_mean == pytest.approx(0, abs=1e-6) and same.top1 == 1.0
+    assert same.ppl == pytest.approx(same.ppl_native)
+    with pytest.raises(SFIError, match="ids must be"):
+        weight_fidelity("native", native, model, ids[:, :-1])
+
+
+def test_bench_refuses_an_unknown_weight_format():
+    result = subprocess.run([sys.executable, "-m", "sfi.cli", "bench", "--weights", "fp8"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "--weights" in result.stderr and "fp8" in result.stderr

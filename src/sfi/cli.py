@@ -38,13 +38,13 @@ DEFAULT_METHODS = "full,sfi,streamingllm,snapkv,pyramidkv,h2o,tova,quest"
 ALL_TASKS = "passkey,niah,niah_multikey,niah_multivalue,niah_multiquery,vt,sequential,fidelity"
 
 
-def _load(model: str, quiet: bool):
+def _load(model: str, quiet: bool, weights: str = "native"):
     from sfi.models import load
 
     if quiet:
-        return load(model)
+        return load(model, weights=weights)
     with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s)"):
-        return load(model)
+        return load(model, weights=weights)
 
 
 def _print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]],
@@ -185,33 +185,47 @@ def bench_cmd(
         = False,
     memory_limit_gb: Annotated[float, typer.Option(help="skip cells whose KV would need more")]
         = 12.0,
+    weights: Annotated[str, typer.Option(help="CPU weight formats, comma-separated: native, "
+                                         "bf16; each but native is also compared with native "
+                                         "(teacher-forced KL, top-1)")] = "native",
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option(help="write tokens/s against context (PNG)")] =
         None,
 ) -> None:
     """Decode throughput of SFI against full attention and the memory-bandwidth floor."""
-    from sfi.bench.throughput import MODES, plot_throughput, run_bench
+    from sfi.bench.throughput import MODES, plot_throughput, run_weight_formats
+    from sfi.layout import WEIGHT_FORMATS
 
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
     mode_list = name_list("--modes", modes, MODES)
+    format_list = name_list("--weights", weights, WEIGHT_FORMATS)
     if new_tokens < 1:
         raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
-    loaded_model, tokenizer = _load(model, as_json)
     say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
-    result = run_bench(loaded_model, tokenizer, contexts=context_list, batches=batch_list,
-                       new_tokens=new_tokens, config=config or SFIConfig(), modes=mode_list,
-                       synthetic_kv=synthetic_kv, memory_limit=int(memory_limit_gb * 1e9),
-                       progress=say)
+    result = run_weight_formats(
+        lambda name: _load(model, as_json, weights=name), format_list, progress=say,
+        contexts=context_list, batches=batch_list, new_tokens=new_tokens,
+        config=config or SFIConfig(), modes=mode_list, synthetic_kv=synthetic_kv,
+        memory_limit=int(memory_limit_gb * 1e9))
     result["model"] = model
     if plot is not None:
         plot_throughput(result, str(plot))
     if as_json:
         print(json.dumps(result))
         return
+    columns = dict(BENCH_COLUMNS)
+    if len(format_list) > 1:
+        columns = {"weights": "weights", **columns, "speedup_vs_native": "x native"}
     _print_table(f"{model}: decode throughput ({result['bandwidth_gb_s']} GB/s measured memory "
-                 "bandwidth)", list(BENCH_COLUMNS.values()),
-                 ([row[c] for c in BENCH_COLUMNS] for row in result["rows"]), wide=True)
+                 "bandwidth)", list(columns.values()),
+                 ([row[c] for c in columns] for row in result["rows"]), wide=True)
+    if result["fidelity"]:
+        _print_table("weight formats against native weights (teacher-forced, full attention)",
+                     ["weights", "tokens", "KL mean", "KL max", "top-1", "ppl", "ppl native"],
+                     ([f["weights"], f["tokens"], f"{f['kl_mean']:.2e}", f"{f['kl_max']:.2e}",
+                       round(f["top1"], 4), round(f["ppl"], 3), round(f["ppl_native"], 3)]
+                      for f in result["fidelity"]))
     for skip in result["skipped"]:
         err.print(f"skipped context {skip['context']} batch {skip['batch']}: {skip['reason']}")
 

@@ -25,37 +25,66 @@ from functools import cache
 
 import torch
 
+from sfi.errors import SFIError
+
 #: the batch size oneDNN packs weights for; 4 rows was as fast as 1 for one row and fastest
 #: from 2 to 8 rows (decode batches) on the EPYC, and no slower at 512 rows (prefill)
 PACK_ROWS = 4
 
+#: weight formats of :func:`prefer_decode_layout`: ``native`` keeps the loaded dtype (the
+#: default, exact); ``bf16`` runs every linear layer's product in bfloat16 (inputs rounded,
+#: fp32 accumulation, oneDNN). Norms, attention and the KV cache stay in the model's dtype.
+#: No int8 format: on this project's EPYC, PyTorch's int8 weight-only kernel
+#: (``aten._weight_int8pack_mm``) ran 4x slower than packed fp32 at one row, and dynamic int8
+#: (FBGEMM, int8 activations) 3x faster but with 37% top-1 agreement on SmolLM2
+#: (``docs/eval/weight-formats.md``).
+WEIGHT_FORMATS = ("native", "bf16")
+
 
 class PackedLinear(torch.nn.Module):
-    """An ``nn.Linear`` whose weight lives packed in oneDNN's blocked layout (CPU only).
+    """An ``nn.Linear`` whose weight lives packed in oneDNN's blocked layout (x86 CPUs).
 
-    ``forward(x [..., in]) -> [..., out]`` as the linear layer it replaced. The packed tensor is
-    opaque; ``weight`` gives a dense ``[out, in]`` copy for code that inspects it (made on each
-    access, not a parameter: the model no longer trains through it).
+    ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype, as the linear layer it replaced
+    (``torch.ops.mkldnn._linear_pointwise``); with ``weights="bf16"`` the product runs in
+    bfloat16. ``weight`` gives a dense ``[out, in]`` copy of what is stored, made on each
+    access and not a parameter: the model no longer trains through it.
     """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, weights: str = "native") -> None:
         super().__init__()
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {weights!r}; one of {WEIGHT_FORMATS}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.register_buffer("packed_weight", _pack(linear.weight.detach()), persistent=False)
-        self.bias = linear.bias
+        self.format = weights
+        weight = linear.weight.detach()
+        bias = linear.bias
+        if weights == "bf16":
+            weight = weight.to(torch.bfloat16)
+            if bias is not None:
+                bias = torch.nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.register_buffer("packed_weight", _pack(weight), persistent=False)
+        self.bias = bias
 
     @property
     def weight(self) -> torch.Tensor:
         return self.packed_weight.to_dense()
 
+    def stored_bytes(self) -> int:
+        """Bytes of weight one product reads."""
+        return self.packed_weight.numel() * self.packed_weight.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format == "bf16":
+            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed_weight,
+                                                   self.bias, "none", [], "")
+            return y.to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
                                                   "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed=oneDNN")
+                f"bias={self.bias is not None}, format={self.format}")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -63,35 +92,47 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether packed oneDNN linears run and agree with ``F.linear`` here for ``dtype``: x86,
-    a PyTorch built with oneDNN, and a small product that matches."""
+def format_runs(weights: str, dtype: torch.dtype) -> bool:
+    """Whether :class:`PackedLinear` runs here in format ``weights`` for a model in ``dtype``
+    and agrees with ``F.linear``: x86, a PyTorch with oneDNN, and a small
+    product that matches."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
     try:
         generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(48, 32, generator=generator).to(dtype)
+        linear = torch.nn.Linear(32, 48).to(dtype)
         x = torch.randn(3, 32, generator=generator).to(dtype)
         with torch.no_grad():
-            got = torch.ops.mkldnn._linear_pointwise(x, _pack(weight), None, "none", [], "")
-        expected = torch.nn.functional.linear(x.float(), weight.float())
-    except (RuntimeError, AttributeError):
+            got = PackedLinear(linear, weights)(x)
+            expected = linear.float()(x.float())
+    except (RuntimeError, AttributeError, NotImplementedError):
         return False
-    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    return bool(torch.allclose(got.float(), expected, atol=tolerance * 10, rtol=tolerance))
+    tolerance = 1e-4 if weights == "native" and dtype == torch.float32 else 5e-2
+    return got.dtype == dtype and bool(torch.allclose(got.float(), expected,
+                                                      atol=tolerance * 10, rtol=tolerance))
 
 
-def prefer_decode_layout(model: torch.nn.Module) -> int:
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether packed oneDNN linears run and agree with ``F.linear`` here for ``dtype``."""
+    return format_runs("native", dtype)
+
+
+def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int:
     """Give every CPU ``nn.Linear`` of ``model`` the layout that decodes fastest here.
 
-    With oneDNN (see :func:`onednn_packs`), each is replaced by a :class:`PackedLinear`. A
-    weight shared with another module (tied embeddings) is packed as a copy, so the embedding
-    keeps its table. Otherwise the weights with ``out_features >= in_features`` are stored
-    transposed (values and ``[out, in]`` shape unchanged, only the strides). GPU weights are
-    left alone (GPU GEMV kernels are indifferent). Returns the number of layers changed.
+    ``weights="native"``: with oneDNN (see :func:`onednn_packs`), each linear layer is replaced
+    by a :class:`PackedLinear`; otherwise the weights with ``out_features >= in_features`` are
+    stored transposed (values and ``[out, in]`` shape unchanged, only the strides). ``bf16``
+    (:data:`WEIGHT_FORMATS`) changes the numbers, so it is asked for by name, and refused where
+    it cannot run. A weight shared with another module (tied embeddings) is
+    stored as a copy, so the embedding keeps its table. GPU weights are left alone (GPU GEMV
+    kernels are indifferent). Returns the number of layers changed.
     """
+    if weights not in WEIGHT_FORMATS:
+        raise SFIError(f"unknown weight format {weights!r}; choose one of "
+                       f"{', '.join(WEIGHT_FORMATS)}")
     changed = 0
     shared = _shared_parameters(model)
     for parent in list(model.modules()):
@@ -100,9 +141,13 @@ def prefer_decode_layout(model: torch.nn.Module) -> int:
                 continue
             if module.weight.dim() != 2:
                 continue
-            if onednn_packs(module.weight.dtype):
-                setattr(parent, name, PackedLinear(module))
+            if format_runs(weights, module.weight.dtype):
+                setattr(parent, name, PackedLinear(module, weights))
                 changed += 1
+            elif weights != "native":
+                raise SFIError(f"weights={weights!r} needs an x86 CPU and a PyTorch built with "
+                               f"oneDNN; it does not run here for {module.weight.dtype} "
+                               "weights (use weights='native')")
             elif _transpose_wide(module, id(module.weight) in shared):
                 changed += 1
     return changed

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from sfi.errors import ModelNotFoundError
+from sfi.errors import ModelNotFoundError, SFIError
 from sfi.layout import prefer_decode_layout
 
 CONVERTED_MARKER = "sfi-converted.json"
@@ -212,7 +212,8 @@ def default_device() -> torch.device:
 
 
 def load(name_or_path: str = "default", *, device: str | torch.device | None = None,
-         dtype: torch.dtype | None = None, decode_layout: bool = True) -> tuple[Any, Any]:
+         dtype: torch.dtype | None = None, decode_layout: bool = True,
+         weights: str = "native") -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``, ready for :func:`sfi.generate` and ``SlowFastCache``.
 
     Args:
@@ -220,8 +221,12 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
             folder, a ``.gguf`` file, or a hub id.
         device: defaults to CUDA when available, else CPU.
         dtype: defaults to float32 on CPU (much faster prefill there) and bfloat16 on CUDA.
-        decode_layout: on CPU, store the weights of wide linear layers transposed, which makes
-            one-token steps faster (``sfi.layout``); values and results are unchanged.
+        decode_layout: on CPU, store the linear layers' weights as decoding reads them fastest
+            (``sfi.layout``: packed for oneDNN on x86, else wide weights transposed); results
+            agree to float rounding.
+        weights: ``native`` (the loaded dtype), or on an x86 CPU ``bf16`` for the linear
+            layers (faster, not exact: ``sfi bench --weights native,bf16`` measures both speed
+            and fidelity against ``native``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -231,6 +236,9 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     hf_logging.disable_progress_bar()
     source = resolve(name_or_path)
     device = torch.device(device) if device is not None else default_device()
+    if weights != "native" and (device.type != "cpu" or not decode_layout):
+        raise SFIError(f"weights={weights!r} is a CPU decode layout; it needs device='cpu' and "
+                       "decode_layout=True")
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     try:
@@ -240,7 +248,7 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
     model = model.to(device).eval()
     if decode_layout:
-        prefer_decode_layout(model)
+        prefer_decode_layout(model, weights)
     check_routable(model)  # a clear error now, rather than when a cache is built
     model.sfi_tokenizer = tokenizer
     return model, tokenizer

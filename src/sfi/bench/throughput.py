@@ -56,6 +56,8 @@ class BenchRow:
     floor_ms: float
     speedup_vs_full: float | None = None
     speedup_vs_full_static: float | None = None
+    weights: str = "native"
+    speedup_vs_native: float | None = None
 
 
 def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -76,13 +78,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        tensors = list(module.parameters(recurse=False))
-        if isinstance(module, PackedLinear):
-            tensors.append(module.packed_weight)  # opaque: no data pointer, one owner
-        for p in tensors:
-            key = id(p) if p.is_mkldnn else p.data_ptr()
-            if key not in seen:
-                seen.add(key)
+        if isinstance(module, PackedLinear):  # opaque or quantized, one owner each
+            total += module.stored_bytes()
+        for p in module.parameters(recurse=False):
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
                 total += p.numel() * p.element_size()
     return total
 
@@ -255,6 +255,53 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
     }
 
 
+def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
+                       formats: Sequence[str], *, fidelity_tokens: int = 1024,
+                       progress: Callable[[str], None] | None = None,
+                       **bench: Any) -> dict[str, Any]:
+    """:func:`run_bench` once per weight format (``sfi.layout.WEIGHT_FORMATS``), in one process.
+
+    ``load_model(format) -> (model, tokenizer)``. Rows carry their ``weights`` and, beside the
+    native rows of the same cell and mode, ``speedup_vs_native``. Every format but ``native``
+    also gets its teacher-forced fidelity to the native weights (``fidelity``: KL, top-1,
+    perplexities over ``fidelity_tokens`` essay tokens, full attention).
+    """
+    from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
+
+    formats = list(dict.fromkeys(formats))
+    reference = ids = None
+    if any(f != "native" for f in formats):
+        model, tokenizer = load_model("native")
+        ids = benchmark_ids(tokenizer, fidelity_tokens, 1)
+        reference = next_token_log_probs(model, ids)
+        del model
+    result: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    fidelity: list[dict[str, Any]] = []
+    for name in formats:
+        if progress:
+            progress(f"weights {name}")
+        model, tokenizer = load_model(name)
+        if reference is not None and ids is not None and name != "native":
+            fidelity.append(weight_fidelity(name, reference, model, ids).to_dict())
+        one = run_bench(model, tokenizer, progress=progress, **bench)
+        del model
+        for row in one["rows"]:
+            row["weights"] = name
+        rows.extend(one["rows"])
+        if not result:
+            result = one
+        result.setdefault("weight_bytes_by_format", {})[name] = one["weight_bytes"]
+    native = {(r["context"], r["batch"], r["mode"]): r["decode_tok_s"] for r in rows
+              if r["weights"] == "native"}
+    for row in rows:
+        base = native.get((row["context"], row["batch"], row["mode"]))
+        if base:
+            row["speedup_vs_native"] = round(row["decode_tok_s"] / base, 3)
+    result.update(rows=rows, fidelity=fidelity, weights=formats)
+    return result
+
+
 def plot_throughput(result: dict[str, Any], path: str) -> None:
     """Tokens/s against context length per mode, one panel per batch size (log-scale x)."""
     import matplotlib
@@ -265,12 +312,16 @@ def plot_throughput(result: dict[str, Any], path: str) -> None:
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
+    formats = list(dict.fromkeys(r.get("weights", "native") for r in rows))
     for ax, batch in zip(axes[0], batches):
-        for mode in MODES:
-            points = sorted((r["context"], r["decode_tok_s"]) for r in rows
-                            if r["mode"] == mode and r["batch"] == batch)
-            if points:
-                ax.plot(*zip(*points), marker="o", label=mode)
+        for name in formats:
+            for mode in MODES:
+                points = sorted((r["context"], r["decode_tok_s"]) for r in rows
+                                if r["mode"] == mode and r["batch"] == batch
+                                and r.get("weights", "native") == name)
+                if points:
+                    label = mode if len(formats) == 1 else f"{mode}, {name} weights"
+                    ax.plot(*zip(*points), marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens/s")

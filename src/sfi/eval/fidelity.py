@@ -119,3 +119,45 @@ def _build(model: torch.nn.Module, method: MethodSpec, tokenizer: Any) -> Decode
         config, scorer = method
         return build_cache(model, tokenizer, "sfi", config=config, scorer=scorer)
     return method()
+
+
+@dataclass
+class WeightFidelity:
+    """Teacher-forced agreement of a weight format with the native weights (full attention)."""
+
+    weights: str
+    tokens: int
+    kl_mean: float
+    kl_max: float
+    top1: float
+    ppl: float
+    ppl_native: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def next_token_log_probs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``[N - 1, V]`` float32 log-probabilities of ``ids [1, N]``'s tokens 1..N-1, each from
+    the real tokens before it (one full-attention forward: teacher forcing)."""
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+def weight_fidelity(name: str, native: torch.Tensor, model: torch.nn.Module,
+                    ids: torch.Tensor) -> WeightFidelity:
+    """Compare ``model`` (the network in weight format ``name``) with ``native [N - 1, V]``
+    (:func:`next_token_log_probs` of the native weights) on the same ``ids [1, N]``:
+    KL(native || format) per position, top-1 agreement, and both perplexities."""
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != native.shape[0] + 1:
+        raise SFIError("ids must be the [1, N] sequence the native log-probabilities came from")
+    got = next_token_log_probs(model, ids)
+    kl = (native.exp() * (native - got)).sum(dim=-1)
+    target = ids[0, 1:]
+    rows = torch.arange(target.shape[0])
+    return WeightFidelity(
+        weights=name, tokens=int(target.shape[0]), kl_mean=float(kl.mean()),
+        kl_max=float(kl.max()), top1=float((native.argmax(-1) == got.argmax(-1)).float().mean()),
+        ppl=float(torch.exp(-got[rows, target].mean())),
+        ppl_native=float(torch.exp(-native[rows, target].mean())))
