@@ -194,3 +194,11 @@ def test_bench_refuses_an_unknown_weight_format():
     result = subprocess.run([sys.executable, "-m", "sfi.cli", "bench", "--weights", "fp8"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 2 and "--weights" in result.stderr and "fp8" in result.stderr
+
+
+def test_checking_a_format_leaves_the_callers_random_stream_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    layout.format_runs.__wrapped__("native", torch.float32)  # the uncached check
+    assert torch.equal(torch.rand(3), expected)

@@ -5,7 +5,7 @@ by how fast the weights stream from memory. How fast a library streams them depe
 and on the weight's layout, measured on this project's machines (2 cores, fp32, 2 threads):
 
 - MKL (what ``torch.nn.functional.linear`` calls on x86) streams a row-major ``[out, in]`` weight
-  at 15-17 GB/s on an AMD EPYC and 9-11 GB/s on the Intel machine of earlier sessions, and the
+  at 15-17 GB/s on an AMD EPYC and 9-11 GB/s on an Intel machine measured earlier, and the
   same matrix stored ``[in, out]`` at 22-27 GB/s. With 4 rows (batch 4) it drops to 10-14 GB/s:
   MKL takes a generic path on this AMD CPU.
 - oneDNN (PyTorch's ``mkldnn`` ops, which ``torch.compile`` itself uses for frozen CPU linears)
@@ -101,10 +101,12 @@ def format_runs(weights: str, dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        generator = torch.Generator().manual_seed(0)
-        linear = torch.nn.Linear(32, 48).to(dtype)
+        generator = torch.Generator().manual_seed(0)  # the caller's random stream untouched
+        linear = torch.nn.Linear(32, 48, device="meta", dtype=dtype).to_empty(device="cpu")
         x = torch.randn(3, 32, generator=generator).to(dtype)
         with torch.no_grad():
+            linear.weight.copy_(torch.randn(48, 32, generator=generator))
+            linear.bias.copy_(torch.randn(48, generator=generator))
             got = PackedLinear(linear, weights)(x)
             expected = linear.float()(x.float())
     except (RuntimeError, AttributeError, NotImplementedError):

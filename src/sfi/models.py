@@ -223,7 +223,8 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
         dtype: defaults to float32 on CPU (much faster prefill there) and bfloat16 on CUDA.
         decode_layout: on CPU, store the linear layers' weights as decoding reads them fastest
             (``sfi.layout``: packed for oneDNN on x86, else wide weights transposed); results
-            agree to float rounding.
+            agree to float rounding. Packed layers cannot move to another device or train:
+            pass ``decode_layout=False`` for a model you will move or fine-tune.
         weights: ``native`` (the loaded dtype), or on an x86 CPU ``bf16`` for the linear
             layers (faster, not exact: ``sfi bench --weights native,bf16`` measures both speed
             and fidelity against ``native``).
