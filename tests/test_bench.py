@@ -202,3 +202,25 @@ def test_checking_a_format_leaves_the_callers_random_stream_alone():
     torch.manual_seed(0)
     layout.format_runs.__wrapped__("native", torch.float32)  # the uncached check
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("command, value, message", [
+    ("generate", "fp8", "--weights: unknown fp8"),
+    ("serve", "native,bf16", "--weights takes one format here"),
+])
+def test_weights_option_is_checked_before_loading(command, value, message):
+    args = [sys.executable, "-m", "sfi.cli", command, "--weights", value]
+    if command == "generate":
+        args += ["--prompt", "hello"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and message in result.stderr
+
+
+@needs_bf16
+def test_load_with_bf16_weights_packs_every_linear_layer_in_bf16():
+    model, _ = sfi_load("default", weights="bf16")
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 7 * model.config.num_hidden_layers + 1
+    assert {m.format for m in packed} == {"bf16"}
+    assert {m.packed_weight.dtype for m in packed} == {torch.bfloat16}
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the rest stays native

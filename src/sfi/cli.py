@@ -22,6 +22,7 @@ from sfi.cli_options import (
     JsonOpt,
     ModelOpt,
     SetOpt,
+    WeightsOpt,
     build_config,
     float_list,
     int_list,
@@ -30,6 +31,7 @@ from sfi.cli_options import (
 )
 from sfi.config import SFIConfig, parse_overrides
 from sfi.errors import PromptError, SFIError
+from sfi.layout import WEIGHT_FORMATS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Slow-Fast Inference: fast long-context decoding for transformers models.")
@@ -45,6 +47,14 @@ def _load(model: str, quiet: bool, weights: str = "native"):
         return load(model, weights=weights)
     with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s)"):
         return load(model, weights=weights)
+
+
+def _one_format(weights: str) -> str:
+    """The one weight format ``--weights`` names (a clear error otherwise)."""
+    formats = name_list("--weights", weights, WEIGHT_FORMATS)
+    if len(formats) != 1:
+        raise SFIError(f"--weights takes one format here, got {weights!r}")
+    return formats[0]
 
 
 def _print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]],
@@ -95,6 +105,7 @@ def generate_cmd(
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
     seed: Annotated[int | None, typer.Option(help="sampling seed")] = None,
+    weights: WeightsOpt = "native",
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a continuation of a prompt with slow-fast decoding (or full attention)."""
@@ -107,7 +118,7 @@ def generate_cmd(
         raise PromptError("the prompt is empty: give some text to continue")
     if mode == "full" and config is not None:
         raise SFIError("the SFI options apply to --mode sfi; full attention takes none")
-    loaded_model, tokenizer = _load(model, as_json)
+    loaded_model, tokenizer = _load(model, as_json, weights=_one_format(weights))
     result = _generate(loaded_model, tokenizer, text, as_json, f"decoding ({mode})",
                        config=config, max_new_tokens=max_new_tokens, mode=mode, chat=chat,
                        temperature=temperature, top_p=top_p, seed=seed)
@@ -194,7 +205,6 @@ def bench_cmd(
 ) -> None:
     """Decode throughput of SFI against full attention and the memory-bandwidth floor."""
     from sfi.bench.throughput import MODES, plot_throughput, run_weight_formats
-    from sfi.layout import WEIGHT_FORMATS
 
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
@@ -548,6 +558,7 @@ def analyze_cmd(
 def serve_cmd(
     config: SFIConfig | None,
     model: ModelOpt = "default",
+    weights: WeightsOpt = "native",
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
     max_batch: Annotated[int, typer.Option(help="sequences decoded together at most")] = 8,
@@ -596,7 +607,7 @@ def serve_cmd(
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can "
                   "reach this port can use the model")
     name = served_model_name or (Path(model).name if Path(model).exists() else model)
-    loaded_model, tokenizer = _load(model, False)
+    loaded_model, tokenizer = _load(model, False, weights=_one_format(weights))
     engine = Engine(loaded_model, tokenizer, config or SFIConfig(), max_batch=max_batch,
                     max_queue=max_queue, request_timeout=request_timeout,
                     prefill_chunk=prefill_chunk or None, max_stall=max_stall_ms / 1000,

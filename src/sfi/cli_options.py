@@ -22,6 +22,9 @@ from sfi.errors import SFIError
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="default, qwen2.5-0.5b, a folder, "
                                        "a .gguf file or a hub id")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+WeightsOpt = Annotated[str, typer.Option(
+    "--weights", help="linear-layer weights on an x86 CPU: native (exact) | bf16 (faster, not "
+    "exact: docs/eval/weight-formats.md)")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="any other SFIConfig field, as "
                                                   "name=value (repeatable)")]
 
