@@ -98,8 +98,11 @@ def test_decode_layout_packs_linears_without_changing_results(smol_tokenizer):
     embed = model.model.embed_tokens.weight.clone()
     dense = {name: m.weight.detach().clone() for name, m in model.named_modules()
              if isinstance(m, torch.nn.Linear)}
-    before = _logits(model)
+    before, state = _logits(model), model.state_dict()
     assert prefer_decode_layout(model) == 2 * 7 + 1  # every projection of two layers, lm_head
+    packed_state = model.state_dict()  # a checkpoint of the packed model is complete
+    assert packed_state.keys() == state.keys()
+    assert all(torch.equal(packed_state[k], state[k]) for k in state)
     packed = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     assert packed.keys() == dense.keys()
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -70,6 +70,13 @@ class PackedLinear(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return self.packed_weight.to_dense()
 
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """``state_dict`` holds ``weight`` (dense) and ``bias`` under the linear layer's keys,
+        so a packed model's checkpoint is complete."""
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
     def stored_bytes(self) -> int:
         """Bytes of weight one product reads."""
         return self.packed_weight.numel() * self.packed_weight.element_size()
