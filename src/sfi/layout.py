@@ -5,12 +5,12 @@ by how fast the weights stream from memory. How fast a library streams them depe
 and on the weight's layout, measured on this project's machines (2 cores, fp32, 2 threads):
 
 - MKL (what ``torch.nn.functional.linear`` calls on x86) streams a row-major ``[out, in]`` weight
-  at 15-17 GB/s on an AMD EPYC and 9-11 GB/s on an Intel machine measured earlier, and the
-  same matrix stored ``[in, out]`` at 22-27 GB/s. With 4 rows (batch 4) it drops to 10-14 GB/s:
-  MKL takes a generic path on this AMD CPU.
+  at 15-17 GB/s on an AMD EPYC (9-11 GB/s in an earlier measurement), and the same matrix
+  stored ``[in, out]`` at 22-27 GB/s. With 4 rows (batch 4) it drops to 10-14 GB/s: MKL takes a
+  generic path on this AMD CPU.
 - oneDNN (PyTorch's ``mkldnn`` ops, which ``torch.compile`` itself uses for frozen CPU linears)
   with the weight packed once into its blocked layout: 37-46 GB/s at 1-8 rows on the EPYC, and
-  2.2x MKL's speed at 512 rows (prefill chunks), against a plain read's 70 GB/s.
+  2.2x MKL's speed at 512 rows (prefill chunks), against a plain read's 45-72 GB/s.
 
 So on x86 with oneDNN every CPU linear layer becomes a :class:`PackedLinear` (its weight packed
 once, the dense copy freed); elsewhere, wide weights (``out >= in``) are stored transposed.
