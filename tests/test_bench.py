@@ -22,7 +22,7 @@ from sfi.bench.throughput import (
     weight_bytes,
 )
 from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
-from sfi.layout import PackedLinear, onednn_packs, prefer_decode_layout
+from sfi.layout import PackedLinear, prefer_decode_layout
 
 ROW_FIELDS = {"mode", "context", "batch", "decode_tok_s", "fast_step_ms", "slow_step_ms",
               "slow_fraction", "speedup_vs_full", "floor_ms"}
@@ -92,7 +92,8 @@ def _logits(model):
         return model(input_ids=ids).logits
 
 
-@pytest.mark.skipif(not onednn_packs(torch.float32), reason="no oneDNN packing on this CPU")
+@pytest.mark.skipif(not layout.format_runs("native", torch.float32),
+                    reason="no oneDNN packing on this CPU")
 def test_decode_layout_packs_linears_without_changing_results(smol_tokenizer):
     model = _tied_tiny_llama(smol_tokenizer)
     embed = model.model.embed_tokens.weight.clone()

@@ -123,15 +123,10 @@ def format_runs(weights: str, dtype: torch.dtype) -> bool:
                                                       atol=tolerance * 10, rtol=tolerance))
 
 
-def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether packed oneDNN linears run and agree with ``F.linear`` here for ``dtype``."""
-    return format_runs("native", dtype)
-
-
 def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int:
     """Give every CPU ``nn.Linear`` of ``model`` the layout that decodes fastest here.
 
-    ``weights="native"``: with oneDNN (see :func:`onednn_packs`), each linear layer is replaced
+    ``weights="native"``: with oneDNN (see :func:`format_runs`), each linear layer is replaced
     by a :class:`PackedLinear`; otherwise the weights with ``out_features >= in_features`` are
     stored transposed (values and ``[out, in]`` shape unchanged, only the strides). ``bf16``
     (:data:`WEIGHT_FORMATS`) changes the numbers, so it is asked for by name, and refused where
@@ -142,7 +137,7 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
     if weights not in WEIGHT_FORMATS:
         raise SFIError(f"unknown weight format {weights!r}; choose one of "
                        f"{', '.join(WEIGHT_FORMATS)}")
-    changed = 0
+    changed = packed = 0
     shared = _shared_parameters(model)
     for parent in list(model.modules()):
         for name, module in list(parent.named_children()):
@@ -152,16 +147,16 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
                 continue
             if format_runs(weights, module.weight.dtype):
                 setattr(parent, name, PackedLinear(module, weights))
-                changed += 1
+                packed += 1
             elif weights != "native":
                 raise SFIError(f"weights={weights!r} needs an x86 CPU and a PyTorch built with "
                                f"oneDNN; it does not run here for {module.weight.dtype} "
                                "weights (use weights='native')")
             elif _transpose_wide(module, id(module.weight) in shared):
                 changed += 1
-    if any(isinstance(m, PackedLinear) for m in model.modules()):
+    if packed:
         _own_memory(model)
-    return changed
+    return changed + packed
 
 
 def _own_memory(model: torch.nn.Module) -> None:
@@ -169,10 +164,10 @@ def _own_memory(model: torch.nn.Module) -> None:
     of their own, so that the checkpoint's memory map, which the packed layers no longer read,
     is released: SmolLM2's process went from 1.47 to 1.00 GB resident."""
     with torch.no_grad():
+        for param in model.parameters():  # each once, tied ones too
+            if param.device.type == "cpu":
+                param.data = param.data.clone()
         for module in model.modules():
-            for param in module.parameters(recurse=False):
-                if param.device.type == "cpu":
-                    param.data = param.data.clone()
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer is not None and buffer.device.type == "cpu" and not buffer.is_mkldnn:
                     setattr(module, name, buffer.clone())

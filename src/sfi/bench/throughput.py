@@ -78,7 +78,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        if isinstance(module, PackedLinear):  # opaque or quantized, one owner each
+        if isinstance(module, PackedLinear):  # opaque: no data pointer, one owner each
             total += module.stored_bytes()
         for p in module.parameters(recurse=False):
             if p.data_ptr() not in seen:

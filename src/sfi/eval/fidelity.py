@@ -94,22 +94,31 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
     full, _ = _teacher_forced_logits(model, FullCache(config=model.config), prefix, ids,
                                      context, window)
     log_full = F.log_softmax(full, dim=-1)
-    ppl_full = float(torch.exp(-log_full[torch.arange(steps), target].mean()))
+    ppl_full = perplexity(log_full, target)
     results = []
     for name, method in methods.items():
         cache = _build(model, method, tokenizer)
         logits, slow = _teacher_forced_logits(model, cache, prefix, ids, context, window)
         log_method = F.log_softmax(logits, dim=-1)
-        kl = (log_full.exp() * (log_full - log_method)).sum(dim=-1)
+        kl, top1 = agreement(log_full, log_method)
         read, fast_read = cache.read_fraction()
         results.append(FidelityResult(
             method=name, context=context, tokens=steps, kl_mean=float(kl.mean()),
-            kl_max=float(kl.max()),
-            top1=float((full.argmax(-1) == logits.argmax(-1)).float().mean()),
-            ppl=float(torch.exp(-log_method[torch.arange(steps), target].mean())),
+            kl_max=float(kl.max()), top1=top1, ppl=perplexity(log_method, target),
             ppl_full=ppl_full, retention=read, fast_retention=fast_read, slow_steps=slow,
             kl_per_step=[round(float(v), 6) for v in kl]))
     return results
+
+
+def agreement(reference: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(KL(reference || got) [N], top-1 agreement)`` of two ``[N, V]`` log-probabilities."""
+    kl = (reference.exp() * (reference - got)).sum(dim=-1)
+    return kl, float((reference.argmax(-1) == got.argmax(-1)).float().mean())
+
+
+def perplexity(log_probs: torch.Tensor, target: torch.Tensor) -> float:
+    """Perplexity of ``target [N]`` under ``log_probs [N, V]``."""
+    return float(torch.exp(-log_probs[torch.arange(target.shape[0]), target].mean()))
 
 
 def _build(model: torch.nn.Module, method: MethodSpec, tokenizer: Any) -> DecodeCache:
@@ -153,11 +162,9 @@ def weight_fidelity(name: str, native: torch.Tensor, model: torch.nn.Module,
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != native.shape[0] + 1:
         raise SFIError("ids must be the [1, N] sequence the native log-probabilities came from")
     got = next_token_log_probs(model, ids)
-    kl = (native.exp() * (native - got)).sum(dim=-1)
+    kl, top1 = agreement(native, got)
     target = ids[0, 1:]
-    rows = torch.arange(target.shape[0])
     return WeightFidelity(
         weights=name, tokens=int(target.shape[0]), kl_mean=float(kl.mean()),
-        kl_max=float(kl.max()), top1=float((native.argmax(-1) == got.argmax(-1)).float().mean()),
-        ppl=float(torch.exp(-got[rows, target].mean())),
-        ppl_native=float(torch.exp(-native[rows, target].mean())))
+        kl_max=float(kl.max()), top1=top1, ppl=perplexity(got, target),
+        ppl_native=perplexity(native, target))
