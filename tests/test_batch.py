@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from conftest import tiny_model
 from helpers import lockstep
@@ -41,19 +44,47 @@ def test_batched_logits_equal_unbatched_with_different_refresh_steps():
         config_row = SFIConfig.paper(**CONFIG, trigger="random", random_period_min=2,
                                      random_period_max=6, seed=0)
         alone = _alone(model, prompt, batch, row, config_row)
-        for step, (a, b) in enumerate(zip(alone, batch.sfi_logits)):
+        for step, (a, b) in enumerate(zip(alone.logits, batch.sfi_logits)):
             torch.testing.assert_close(a[0], b[row], atol=2e-5, rtol=1e-5,
                                        msg=f"row {row} step {step}")
 
 
-def _alone(model, prompt, batch, row, config):
+@pytest.mark.parametrize("scorer", ["sfi", "quest"])
+def test_pages_start_at_each_sequence_so_padding_changes_nothing(scorer):
+    """The default preset cuts the cache into pages (paged selection, Quest, the coverage
+    probes' summaries). A row padded by 25 positions (not a multiple of the 16-token page)
+    must be cut into the pages it gets alone: every step's logits, the selection and the
+    coverage refreshes equal those of the row decoded alone."""
+    from sfi.scorers.registry import make_scorer
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(9)
+    long, short = torch.randint(1, 256, (1, 70), generator=g), torch.randint(1, 256, (1, 45),
+                                                                               generator=g)
+    ids, mask = _padded(long, short)
+    config = SFIConfig(**CONFIG, trigger="fixed", period=7, coverage_threshold=0.02)
+    assert config.page_size == 16 and config.coverage_layers > 0
+    batch = lockstep(model, ids, config, steps=16, attention_mask=mask,
+                     scorer=make_scorer(scorer, config))
+    assert batch.cache.padding(1) == 25
+    reasons = batch.cache.stats(1).refresh_reasons
+    for row, prompt in enumerate((long, short)):
+        alone = _alone(model, prompt, batch, row, config, make_scorer(scorer, config))
+        for step, (a, b) in enumerate(zip(alone.logits, batch.sfi_logits)):
+            torch.testing.assert_close(a[0], b[row], atol=2e-5, rtol=1e-5,
+                                       msg=f"row {row} step {step}")
+        assert alone.cache.stats(0).to_dict() == batch.cache.stats(row).to_dict()
+    assert reasons.get("coverage", 0) > 0, "the probes should refresh the padded row"
+
+
+def _alone(model, prompt, batch, row, config, scorer=None):
     """Decode ``prompt`` alone, feeding the tokens the batch fed to ``row``; its random trigger
     is seeded like the batch's row ``row``."""
     from sfi import SlowFastCache
     from sfi.hf import cache_argument
     from sfi.triggers import make_trigger
 
-    cache = SlowFastCache(model, config,
+    cache = SlowFastCache(model, config, scorer=scorer,
                           trigger_factory=lambda cfg, _: make_trigger(cfg, None, row))
     key = cache_argument(model)
     out, tokens = [], prompt
@@ -64,7 +95,7 @@ def _alone(model, prompt, batch, row, config):
                              **{key: cache}).logits[:, -1])
             tokens = batch.full_logits[step][row].argmax(-1).view(1, 1)
             position = position[:, -1:] + 1
-    return out
+    return SimpleNamespace(logits=out, cache=cache)
 
 
 def test_padding_is_never_a_sink_nor_selected():

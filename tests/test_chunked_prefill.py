@@ -80,10 +80,11 @@ def test_server_interleaves_chunks_with_decode_steps(tiny):
         def traced_join(*args):
             trace.append(("join", len(engine._active)))
             join(*args)
+            slab_rows.append(engine._batch.layers[0].reserved)
 
         engine._advance_join, engine._step, engine._join_batch = (traced_advance, traced_step,
                                                                   traced_join)
-        streamed = {}
+        streamed, slab_rows = {}, []
 
         def stream():
             with httpx.stream("POST", f"{running.url}/v1/completions", timeout=60,
@@ -111,6 +112,7 @@ def test_server_interleaves_chunks_with_decode_steps(tiny):
         rebuilds = [i for i, (kind, _) in enumerate(trace) if kind == "join"]
         assert rebuilds and all(trace[i + 1][0] == "step" for i in rebuilds)
         assert streamed["lines"][-1] == "data: [DONE]"
+        assert slab_rows == [4, 4]  # the batch holds a slab of max_batch rows from its start
 
 
 def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny):

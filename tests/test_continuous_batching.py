@@ -135,3 +135,76 @@ def test_each_sequence_keeps_its_own_config_and_scorer_in_a_merged_batch():
     for layer in range(len(batch.layers)):
         chosen = batch.selected_positions(layer, 1)
         assert chosen.shape[-1] == 13 and bool((chosen >= batch.padding(1) + 5).all())
+
+
+@torch.inference_mode()
+def test_a_reserved_slab_takes_joins_and_leaves_without_copying_the_batch():
+    """Rows join into a slab reserved in advance and leave by giving their row back: a shorter
+    joiner is written into a free row, a leaver's row is filled from below, the trimmed
+    padding becomes room that lets a longer joiner in without moving anyone; through all of
+    it every sequence gets the logits it gets alone."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(12)
+    a, b, c, d = (torch.randint(1, 256, (1, n), generator=g) for n in (40, 12, 25, 36))
+    alone = {name: _alone(model, prompt, 16) for name, prompt in
+             (("a", a), ("b", b), ("c", c), ("d", d))}
+
+    def prefill(prompt):
+        cache = SlowFastCache(model, CONFIG, max_cache_len=96)
+        logits = _step(model, cache, prompt, torch.arange(prompt.shape[1])[None])
+        return cache, logits.argmax(-1, keepdim=True)
+
+    batch, token_a = prefill(a)
+    batch.reserve(3)
+    layer = batch.layers[0]
+    slab = layer._slab["_keys"]
+    assert slab.shape[0] == 3 and layer.rows == 1 and layer.relayouts == 1
+    rows = {"a": (token_a, 40, 1)}  # name: (last token, position, next step of its own)
+
+    def follow(steps):
+        names = list(rows)
+        tokens = torch.cat([rows[n][0] for n in names])
+        positions = torch.tensor([[rows[n][1]] for n in names])
+        for i in range(steps):
+            logits = _step(model, batch, tokens, positions)
+            for row, name in enumerate(names):
+                torch.testing.assert_close(logits[row], alone[name][rows[name][2] + i],
+                                           atol=2e-5, rtol=1e-5)
+            tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
+        for row, name in enumerate(names):
+            rows[name] = (tokens[row: row + 1], int(positions[row]), rows[name][2] + steps)
+
+    def join(name, prompt):
+        cache, token = prefill(prompt)
+        batch.merge(cache)
+        rows[name] = (token, prompt.shape[1], 1)
+
+    follow(2)
+    join("b", b)  # shorter: a free row, 30 positions of padding, a stays in place
+    join("c", c)
+    assert layer._slab["_keys"] is slab and layer.rows == 3
+    follow(3)
+    batch.keep([1, 2])  # a leaves: b and c move up a row; their shared padding is trimmed
+    del rows["a"]
+    assert layer._slab["_keys"] is slab and layer.origin == 17
+    assert [batch.padding(r) for r in range(2)] == [13, 0]
+    follow(2)
+    join("d", d)  # 6 longer than the batch (30): 6 of the 17 positions left of the origin
+    assert layer._slab["_keys"] is slab and layer.origin == 11
+    assert [batch.padding(r) for r in range(3)] == [19, 6, 0]
+    follow(3)
+    batch.keep([2, 0])  # out of order: c leaves, d before b
+    del rows["c"]
+    rows = {"d": rows["d"], "b": rows["b"]}
+    assert layer._slab["_keys"] is slab and layer.rows == 2
+    follow(2)
+    assert layer.relayouts == 1  # the reserve, and no copy since
+    e = torch.randint(1, 256, (1, 60), generator=g)
+    alone["e"] = _alone(model, e, 4)
+    before = [batch.padding(r) for r in range(2)]
+    shift = 60 - batch.get_seq_length()
+    assert shift > layer.origin
+    join("e", e)  # longer than the room left of the origin: copied, with a quarter more room
+    assert layer.relayouts == 2 and layer.origin == max(16, 60 // 4)
+    assert [batch.padding(r) for r in range(3)] == [p + shift for p in before] + [0]
+    follow(3)

@@ -188,7 +188,7 @@ def test_dense_layers_read_everything_and_count_in_the_read_fraction():
 
 
 def test_page_summaries_follow_the_cache_as_it_grows():
-    from sfi.scorers.quest import page_bounds
+    from sfi.pages import page_bounds
 
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(5))
@@ -211,7 +211,7 @@ def test_page_summaries_follow_the_cache_as_it_grows():
 
 def test_a_memory_missing_a_heavy_page_is_flagged():
     from sfi.coverage import missing_rows, probe_layers
-    from sfi.scorers.quest import page_bounds
+    from sfi.pages import page_bounds
 
     g = torch.Generator().manual_seed(9)
     n, h, gq, d, page, pages = 2, 2, 3, 8, 4, 10
@@ -260,7 +260,8 @@ def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():
 
 
 def test_the_page_bound_is_its_definition_and_bounds_every_logit():
-    from sfi.scorers.quest import page_bounds, page_scores
+    from sfi.pages import page_bounds
+    from sfi.scorers.quest import page_scores
 
     for seed in range(20):
         g = torch.Generator().manual_seed(seed)
@@ -276,3 +277,25 @@ def test_the_page_bound_is_its_definition_and_bounds_every_logit():
         pages = torch.arange(t) // 8
         for p in range(low.shape[2]):
             assert bool((logits[..., pages == p].amax(-1) <= direct[..., p] + 1e-4).all())
+
+
+def test_a_padded_row_is_cut_into_the_pages_it_has_alone():
+    """Pages start at each row's first token: a row padded by ``pad`` positions has, from page
+    (pad + shift) / page on, the boxes of its keys alone, incrementally summarised too."""
+    from sfi.pages import page_bounds, page_count, page_shift
+
+    g = torch.Generator().manual_seed(3)
+    page, t, pads = 8, 61, torch.tensor([0, 5, 11, 16])
+    keys = torch.randn(4, 2, t, 4, generator=g)
+    shift = page_shift(pads, page)
+    assert shift.tolist() == [0, 3, 5, 0]
+    low, high = page_bounds(keys, page, shift)
+    assert low.shape[2] == page_count(t, page, shift) == 9
+    later_low, _ = page_bounds(keys, page, shift, first=4)
+    torch.testing.assert_close(later_low, low[:, :, 4:])
+    for row, pad in enumerate(pads.tolist()):
+        alone_low, alone_high = page_bounds(keys[row: row + 1, :, pad:], page)
+        first = (pad + int(shift[row])) // page
+        n = alone_low.shape[2]
+        torch.testing.assert_close(low[row, :, first: first + n], alone_low[0])
+        torch.testing.assert_close(high[row, :, first: first + n], alone_high[0])

@@ -205,8 +205,9 @@ class SlowFastCache(Cache):
 
         Both batches are right-aligned at the longer length: the shorter one's sequences get
         more left padding (their keys keep the positions they were computed at). Each sequence
-        keeps its own configuration, trigger, scorer, selection and counters. Costs one copy of
-        both caches, once per join.
+        keeps its own configuration, trigger, scorer, selection and counters. ``other`` is
+        copied into free rows of this batch's slab (see :meth:`reserve`); this batch is copied
+        only when its slab lacks rows or room.
         """
         if other is self or not other.planner.sequences or not self.planner.sequences:
             raise SFIError("merge needs two distinct, prefilled SlowFastCaches")
@@ -223,6 +224,15 @@ class SlowFastCache(Cache):
         other.planner.shift(shifts[1])
         self.planner.absorb(other.planner)
         self._kinds = ()
+
+    def reserve(self, rows: int) -> None:
+        """Preallocate ``rows`` rows in every layer (a slab): sequences that :meth:`merge` into
+        this batch take free rows, and those that :meth:`keep` drops give theirs back, without
+        the batch being copied. One copy of the batch now, when the rows change."""
+        if rows < 1:
+            raise SFIError(f"reserve needs at least one row (got {rows})")
+        for layer in self._sfi_layers():
+            layer.reserve(rows)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only the sequences ``rows`` (in that order), e.g. when others finish; the left

@@ -4,7 +4,8 @@ A fast memory is chosen at a slow step and reused until the next; when the model
 before a sentence ends (the second digit of a number it copies, the next value of a list), the
 paper's triggers do not see it. Here a few probe layers check at every fast step.
 
-For each page of P positions (aligned at 0) the element-wise min and max of its keys bound every
+For each page of P positions (aligned at the sequence's first token, ``sfi.pages``) the
+element-wise min and max of its keys bound every
 ``q . k`` inside it: ``sum_d max(q_d min_d, q_d max_d)`` (Quest). A probe ranks the pages of the
 middle region that the memory does not hold by that bound (summed over the G query heads of each
 KV head), reads the keys of the ``top`` best of them, and compares their attention weight with
@@ -42,7 +43,8 @@ def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
                  centre: torch.Tensor, radius: torch.Tensor, memory: torch.Tensor,
                  held: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
-                 threshold: float, scale: float, softcap: float | None = None) -> torch.Tensor:
+                 threshold: float, scale: float, softcap: float | None = None,
+                 shift: torch.Tensor | None = None) -> torch.Tensor:
     """``[n]`` bool: rows whose fast memory misses attention mass (see the module docstring).
 
     Args:
@@ -53,24 +55,30 @@ def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
             that hold a selected position.
         lo, hi: ``[n]`` the middle region [lo, hi) of each row.
         lse: ``[n, H, G]`` log-sum-exp of the fast step's logits over its memory.
+        shift: ``[n]`` where each row's pages start (:func:`sfi.pages.page_shift`; None: at
+            position 0).
     """
     t = keys.shape[-2]
-    outside = unheld_pages(memory, held, lo, hi, pages=centre.shape[2], page=page)
-    positions, real = best_pages(query, centre, radius, outside, page=page, top=top, length=t)
+    outside = unheld_pages(memory, held, lo, hi, pages=centre.shape[2], page=page, shift=shift)
+    positions, real = best_pages(query, centre, radius, outside, page=page, top=top, length=t,
+                                 shift=shift)
     heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
     chosen = keys[rows[:, None, None], heads, positions]  # [n, H, m * P, D]: only those pages
     return misses(query, chosen, real, lse, threshold=threshold, scale=scale, softcap=softcap)
 
 
 def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                 *, pages: int, page: int) -> torch.Tensor:
+                 *, pages: int, page: int, shift: torch.Tensor | None = None) -> torch.Tensor:
     """``[n, H, pages]`` bool: the pages wholly inside the middle region [lo, hi) (one reaching
     into the sinks or the recent window is partly read anyway) that the memory (``memory
     [n, H, C]`` positions, ``held [n, C]`` the slots holding a selected one) holds nothing of.
     Fixed from one refresh to the next."""
     n, h = memory.shape[0], memory.shape[1]
-    starts = torch.arange(pages, device=memory.device) * page
-    middle = (starts[None, :] >= lo[:, None]) & (starts[None, :] + page <= hi[:, None])  # [n, P]
+    starts = torch.arange(pages, device=memory.device)[None, :] * page  # [1 or n, P]
+    if shift is not None:
+        starts = starts - shift[:, None]
+        memory = memory + shift[:, None, None]
+    middle = (starts >= lo[:, None]) & (starts + page <= hi[:, None])  # [n, P]
     in_memory = torch.zeros(n, h, pages + 1, dtype=torch.bool, device=memory.device)
     slot_pages = torch.where(held[:, None, :], memory // page, pages).clamp(max=pages)
     in_memory.scatter_(-1, slot_pages, True)
@@ -78,8 +86,8 @@ def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi:
 
 
 def best_pages(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
-               outside: torch.Tensor, *, page: int, top: int, length: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               outside: torch.Tensor, *, page: int, top: int, length: int,
+               shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions of the ``top`` pages among ``outside [n, H, P]`` (:func:`unheld_pages`)
     whose keys the query bounds highest, per KV head: ``([n, H, m * P], [n, H, m * P] bool,
     the real ones)`` (m = min(top, pages); a page past the ``length`` positions, or none left
@@ -88,8 +96,10 @@ def best_pages(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
     scores = box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
     best = torch.topk(scores, min(top, pages), dim=-1)  # [n, H, m]
     positions = best.indices[..., None] * page + torch.arange(page, device=centre.device)
-    real = torch.isfinite(best.values)[..., None] & (positions < length)  # [n, H, m, P]
-    return positions.clamp(max=length - 1).flatten(2), real.flatten(2)
+    if shift is not None:
+        positions = positions - shift[:, None, None, None]
+    real = torch.isfinite(best.values)[..., None] & (positions >= 0) & (positions < length)
+    return positions.clamp(0, length - 1).flatten(2), real.flatten(2)  # [n, H, m * P]
 
 
 def misses(query: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor, lse: torch.Tensor, *,

@@ -20,6 +20,7 @@ C compact slots.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +33,14 @@ from sfi.coverage import missing_rows
 from sfi.errors import SFIError
 from sfi.kernels import dense_attention, fast_attention, window_logits
 from sfi.overlap import StagedCompact
+from sfi.pages import page_bounds, page_count, page_shift
 from sfi.planner import Probe, SlowRows, StepPlan
 from sfi.rows import Rows
 from sfi.scorers import Evidence
-from sfi.scorers.quest import page_bounds
 from sfi.selector import compact_slots, hysteresis_keep, selection_order
+
+_POSITIONAL = ("_keys", "_values", "_norms")  # [rows, H, positions, ...]
+_COMPACT = ("compact_keys", "compact_values", "compact_positions")  # [rows, H, C, ...]
 
 
 @dataclass
@@ -45,6 +49,7 @@ class _PageSummaries:
     (``done`` positions summarised)."""
 
     page: int
+    shift: tuple[int, ...] | None  # where each row's pages start (sfi.pages); None: at 0
     done: int
     low: torch.Tensor
     high: torch.Tensor
@@ -75,6 +80,13 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         self.layer_idx = layer_idx
         self.initial_capacity = max(initial_capacity, 16)
         self.length = 0
+        # The tensors below are views of the slab (``_slab``): rows ``[:rows]`` of its
+        # ``reserved`` ones, positions from ``origin`` on (to the left of it: room for more
+        # left padding, so that a longer sequence joins without moving the others).
+        self._slab: dict[str, torch.Tensor] = {}
+        self.rows = 0
+        self.origin = 0
+        self.relayouts = 0  # times the slab was copied (grown, re-rowed, or shifted)
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
         self._norms: torch.Tensor | None = None
@@ -89,9 +101,12 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         b, h, _, d = key_states.shape
         capacity = self.initial_capacity
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._keys = key_states.new_zeros(b, h, capacity, d)
-        self._values = value_states.new_zeros(b, h, capacity, value_states.shape[-1])
-        self._norms = torch.zeros(b, h, capacity, dtype=torch.float32, device=self.device)
+        self._slab = {
+            "_keys": key_states.new_zeros(b, h, capacity, d),
+            "_values": value_states.new_zeros(b, h, capacity, value_states.shape[-1]),
+            "_norms": torch.zeros(b, h, capacity, dtype=torch.float32, device=self.device)}
+        self.rows, self.origin = b, 0
+        self._bind()
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -134,6 +149,11 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
     def reset(self) -> None:
         self.length = 0
         self.compact_keys = self.compact_values = self.compact_positions = None
+        for name in _COMPACT:
+            self._slab.pop(name, None)
+        if self._slab:
+            self.origin = 0
+            self._bind()
         self.pending = None
         self._pages = None
 
@@ -178,34 +198,39 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[-2]
 
-    def page_summaries(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def page_summaries(self, page: int, shift: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(low, high)`` ``[B, H, P, D]``: the element-wise min and max key of every page of
-        ``page`` positions (aligned at 0; the last may be partial)."""
-        pages = self._summarise(page)
+        ``page`` positions (starting where ``shift [B]`` says, ``sfi.pages``; the first and the
+        last may be partial)."""
+        pages = self._summarise(page, shift)
         n = pages.count
         return pages.low[:, :, :n], pages.high[:, :, :n]
 
-    def page_geometry(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def page_geometry(self, page: int, shift: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(centre, radius)`` ``[B, H, P, D]`` of the same boxes, ``(high + low) / 2`` and
         ``(high - low) / 2``: what bounding ``q . k`` reads (``sfi.scorers.quest``)."""
-        pages = self._summarise(page)
+        pages = self._summarise(page, shift)
         n = pages.count
         return pages.centre[:, :, :n], pages.radius[:, :, :n]
 
-    def _summarise(self, page: int) -> _PageSummaries:
+    def _summarise(self, page: int, shift: torch.Tensor | None) -> _PageSummaries:
         """The page summaries, kept up to date incrementally: each call summarises only the
-        positions appended since the last."""
+        pages that hold positions appended since the last."""
         t = self.length
-        count = -(-t // page)
-        if self._pages is None or self._pages.page != page or self._pages.room < count:
-            b, h, _, d = self._keys.shape
-            room = max(count, self.capacity // page + 1)
-            low = self._keys.new_full((b, h, room, d), float("inf"), dtype=torch.float32)
-            self._pages = _PageSummaries(page, 0, low, torch.full_like(low, float("-inf")),
-                                         torch.zeros_like(low), torch.zeros_like(low))
+        count = page_count(t, page, shift)
+        aligned = None if shift is None else tuple(shift.tolist())
         pages = self._pages
+        if pages is None or pages.page != page or pages.shift != aligned or pages.room < count:
+            b, h, _, d = self._keys.shape
+            room = max(count, page_count(self.capacity, page, shift) + 1)
+            low = self._keys.new_full((b, h, room, d), float("inf"), dtype=torch.float32)
+            pages = self._pages = _PageSummaries(
+                page, aligned, 0, low, torch.full_like(low, float("-inf")),
+                torch.zeros_like(low), torch.zeros_like(low))
         first = pages.done // page  # the page that was partial last time, and those after it
-        new_low, new_high = page_bounds(self._keys[:, :, first * page: t], page)
+        new_low, new_high = page_bounds(self.keys, page, shift, first)
         pages.low[:, :, first:count] = new_low
         pages.high[:, :, first:count] = new_high
         pages.centre[:, :, first:count] = (new_high + new_low) / 2
@@ -216,13 +241,57 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
     def _grow(self, needed: int) -> None:
         """Room for ``needed`` positions: a quarter more than now (at least 256 more), so that a
         long-running batch wastes at most a fifth of its KV memory on room."""
-        current = self._keys.shape[-2]
-        capacity = max(needed, current + max(256, current // 4))
-        for name in ("_keys", "_values", "_norms"):
+        current = self.capacity
+        self._relayout(capacity=max(needed, current + max(256, current // 4)), room=self.origin)
+
+    # --- the slab: reserved rows, and room on both sides of the filled positions ------------------
+    @property
+    def reserved(self) -> int:
+        """Rows the slab holds (``rows`` of them in use)."""
+        return self._slab["_keys"].shape[0] if self._slab else 0
+
+    def _bind(self) -> None:
+        """Point the layer's tensors at the rows in use (and positions from ``origin``)."""
+        for name in _POSITIONAL:
+            setattr(self, name, self._slab[name][: self.rows, :, self.origin:])
+        for name in _COMPACT:
+            if name in self._slab:
+                setattr(self, name, self._slab[name][: self.rows])
+
+    def _relayout(self, capacity: int | None = None, reserved: int | None = None,
+                  shift: int = 0, room: int = 0) -> None:
+        """Copy the rows in use into a new slab of ``reserved`` rows and ``room + capacity``
+        positions (default: as now, no room), with ``shift`` more positions of left padding;
+        the origin is then ``room``."""
+        capacity = self.capacity if capacity is None else capacity
+        reserved = self.reserved if reserved is None else reserved
+        n, start = self.rows, room + shift
+        for name in _POSITIONAL:
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
+            new = old.new_zeros(reserved, *old.shape[1:2], room + capacity, *old.shape[3:])
+            new[:n, :, start: start + self.length] = old[:, :, : self.length]
+            self._slab[name] = new
+        for name in _COMPACT:
+            old = getattr(self, name)
+            if old is not None and reserved != old.shape[0]:
+                new = old.new_zeros(reserved, *old.shape[1:])
+                new[:n] = old
+                self._slab[name] = new
+        self.origin = room
+        self.relayouts += 1
+        self._bind()
+
+    def reserve(self, rows: int) -> None:
+        """Hold ``rows`` rows from now on (at least those in use), so that sequences join and
+        leave without the batch being copied (``absorb``, ``keep``)."""
+        rows = max(rows, self.rows)
+        if self._slab and rows != self.reserved:
+            with self._storage_mode():
+                self._relayout(reserved=rows)
+
+    def _storage_mode(self) -> torch.inference_mode:
+        """Inference mode when the storage was made in it (written in place only there)."""
+        return torch.inference_mode(self._keys is not None and self._keys.is_inference())
 
     # --- the compact buffer --------------------------------------------------------------------
     def pack(self, slow: SlowRows, selected: torch.Tensor
@@ -265,13 +334,17 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
 
     def ensure_compact(self, width: int) -> None:
         """Allocate the compact buffer, or grow it to ``width`` slots (contents kept)."""
-        b, h, _, d = self._keys.shape
+        h, d = self._keys.shape[1], self._keys.shape[3]
         if self.compact_keys is not None and self.compact_keys.shape[-2] >= width:
             return
         old = (self.compact_keys, self.compact_values, self.compact_positions)
-        self.compact_keys = self._keys.new_zeros(b, h, width, d)
-        self.compact_values = self._values.new_zeros(b, h, width, self._values.shape[-1])
-        self.compact_positions = torch.zeros(b, h, width, dtype=torch.long, device=self.device)
+        r = self.reserved
+        self._slab["compact_keys"] = self._keys.new_zeros(r, h, width, d)
+        self._slab["compact_values"] = self._values.new_zeros(r, h, width,
+                                                              self._values.shape[-1])
+        self._slab["compact_positions"] = torch.zeros(r, h, width, dtype=torch.long,
+                                                      device=self.device)
+        self._bind()
         if old[0] is not None:
             filled = old[0].shape[-2]
             for new, previous in zip((self.compact_keys, self.compact_values,
@@ -281,50 +354,85 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
     # --- continuous batching ---------------------------------------------------------------------
     def absorb(self, other: SlowFastLayer, length: int, shifts: tuple[int, int],
                compact_width: int) -> None:
-        """Stack ``other``'s sequences under this layer's, both right-aligned at ``length``."""
+        """Add ``other``'s sequences below this layer's, both right-aligned at ``length``.
+
+        They are written into free rows of the slab. This layer's sequences stay where they
+        are: more left padding for them (``shifts[0]``) takes room left of the origin when
+        there is enough; the slab is copied only when it lacks rows, room for that padding or
+        room for ``length`` positions."""
+        with self._storage_mode():
+            self._absorb(other, length, shifts, compact_width)
+
+    def _absorb(self, other: SlowFastLayer, length: int, shifts: tuple[int, int],
+                compact_width: int) -> None:
         self.settle(wait=True)
         other.settle(wait=True)
-        capacity = max(self.capacity, other.capacity, length + 16)
-        parts = ((self, shifts[0]), (other, shifts[1]))
-        for layer, _ in parts:
-            layer.ensure_compact(compact_width)
-        for name in ("_keys", "_values", "_norms"):
-            stacked = []
-            for layer, shift in parts:
-                old = getattr(layer, name)
-                new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
-                new[:, :, shift:length] = old[:, :, : layer.length]
-                stacked.append(new)
-            setattr(self, name, torch.cat(stacked))
-        buffers = []
-        for name in ("compact_keys", "compact_values", "compact_positions"):
-            stacked = []
-            for layer, shift in parts:
-                old = getattr(layer, name)
-                new = old.new_zeros(old.shape[0], old.shape[1], compact_width, *old.shape[3:])
-                new[:, :, : old.shape[2]] = old + shift if name == "compact_positions" else old
-                stacked.append(new)
-            buffers.append(torch.cat(stacked))
-        self.compact_keys, self.compact_values, self.compact_positions = buffers
+        n, m = self.rows, other.rows
+        needed = length + 16
+        if n + m <= self.reserved and shifts[0] <= self.origin and \
+                self.capacity + shifts[0] >= needed:
+            if shifts[0]:
+                self.origin -= shifts[0]
+                self._bind()
+                for name in _POSITIONAL:
+                    getattr(self, name)[:, :, : shifts[0]] = 0
+        else:  # with room for later, longer joiners: a quarter of the length
+            room = max(16, length // 4) if shifts[0] > self.origin else 0
+            self._relayout(capacity=max(self.capacity, other.capacity + shifts[1], needed),
+                           reserved=max(n + m, self.reserved), shift=shifts[0], room=room)
+        self.ensure_compact(compact_width)
+        other.ensure_compact(compact_width)
+        for name in _POSITIONAL:
+            joining = self._slab[name][n: n + m, :, self.origin:]
+            joining[:, :, : shifts[1]] = 0
+            joining[:, :, shifts[1]: length] = getattr(other, name)[:, :, : other.length]
+        width = self.compact_keys.shape[2]
+        for name in _COMPACT:
+            theirs = getattr(other, name)[:, :, :width]
+            joining = self._slab[name][n: n + m]
+            joining[:, :, theirs.shape[2]:] = 0
+            if name == "compact_positions":
+                getattr(self, name).add_(shifts[0])
+                theirs = theirs + shifts[1]
+            joining[:, :, : theirs.shape[2]] = theirs
+        self.rows = n + m
         self.length = length
+        self._bind()
         self._pages = None  # positions moved: summarise again when asked
 
     def keep(self, index: torch.Tensor, trim: int) -> None:
-        """Keep the sequences ``index`` and drop the first ``trim`` positions (padding)."""
+        """Keep the sequences ``index`` and drop the first ``trim`` positions (padding).
+
+        The rows kept move up into the freed ones (only rows below a freed one are copied);
+        the trimmed padding becomes room left of the origin."""
+        with self._storage_mode():
+            self._keep(index, trim)
+
+    def _keep(self, index: torch.Tensor, trim: int) -> None:
         self.settle(wait=True)
         self._pages = None
-        for name in ("_keys", "_values", "_norms", "compact_keys", "compact_values",
-                     "compact_positions"):
-            tensor = getattr(self, name)
-            if tensor is not None:
-                setattr(self, name, tensor.index_select(0, index))
-        if trim:
-            for name in ("_keys", "_values", "_norms"):
-                tensor = getattr(self, name)
-                tensor[:, :, : self.length - trim] = tensor[:, :, trim: self.length].clone()
-            if self.compact_positions is not None:
-                self.compact_positions -= trim
-            self.length -= trim
+        order = index.tolist()
+        names = [name for name in (*_POSITIONAL, *_COMPACT) if name in self._slab]
+        if all(a < b for a, b in itertools.pairwise(order)):
+            filled = slice(self.origin, self.origin + self.length)
+            for dst, src in enumerate(order):
+                if dst != src:
+                    for name in names:
+                        slab = self._slab[name]
+                        if name in _POSITIONAL:
+                            slab[dst, :, filled] = slab[src, :, filled]
+                        else:
+                            slab[dst] = slab[src]
+        else:
+            for name in names:
+                slab = self._slab[name]
+                slab[: len(order)] = slab.index_select(0, index)
+        self.rows = len(order)
+        self.origin += trim
+        self.length -= trim
+        self._bind()
+        if trim and self.compact_positions is not None:
+            self.compact_positions -= trim
 
     # --- attention (the AttendingLayer protocol) ---------------------------------------------
     def after_prefill(self, step: StepContext, query: torch.Tensor, scale: float,
@@ -391,13 +499,13 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         log-sum-exp."""
         target = probe.target
         rows = target.rows
-        centre, radius = self.page_geometry(probe.page)
+        centre, radius = self.page_geometry(probe.page, probe.shift)
         missed = missing_rows(
             rows.take(q), self.keys, rows.index, rows.take(centre), rows.take(radius),
             rows.take(self.compact_positions[:, :, : plan.compact_width]), target.held,
             target.lo, target.hi, fast_lse.index_select(0, target.fast_index),
             page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
-            softcap=softcap)
+            softcap=softcap, shift=rows.take(probe.shift) if probe.shift is not None else None)
         step.missed.update(r for r, miss in zip(rows.indices, missed.tolist()) if miss)
 
     # --- the slow step's refresh -----------------------------------------------------------
@@ -424,7 +532,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         cached_keys = slow.rows.take(self.keys) if query is not None else None
         evidence = Evidence(logits=logits, key_norms=key_norms, candidates=slow.candidates,
                             lo=slow.lo, hi=slow.hi, layer_idx=self.layer_idx, queries=queries,
-                            query=query, keys=cached_keys)
+                            query=query, keys=cached_keys, pads=slow.pads)
         previous = self._previous_selection(slow)
 
         def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -475,12 +583,15 @@ def select_rows(slow: SlowRows, evidence: Evidence,
 
         k = local(slow.k)
         scores = group.scorer.score(part)
+        shift = None
+        if group.page > 1 and slow.pads is not None:
+            shift = page_shift(local(slow.pads), group.page)
         keep = None
         if group.hysteresis > 0 and selected is not None:
             keep = hysteresis_keep(scores, part.candidates, k, local(selected),
-                                   group.hysteresis, group.page)
+                                   group.hysteresis, group.page, shift)
         order, valid = selection_order(scores, part.candidates, k, group.page, keep,
-                                       local(pinned))
+                                       local(pinned), shift)
         chosen = compact_slots(order, valid, part.candidates, local(slow.pins))
         if group.rows is None:
             return chosen

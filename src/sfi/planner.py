@@ -23,6 +23,7 @@ import torch
 from sfi.config import SFIConfig
 from sfi.coverage import DEFAULT_PAGE, probe_layers
 from sfi.kernels import additive_bias, causal_mask
+from sfi.pages import page_shift
 from sfi.rows import Rows
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
@@ -145,6 +146,7 @@ class SlowRows:
             this (first) selection chooses them.
         evidence_bias: ``[n, W, T]`` causal and padding bias of the last W queries of a
             multi-token forward (after prefill); None at a decode-time slow step.
+        pads: ``[n]`` each row's left padding (where its pages start, ``sfi.pages``).
     """
 
     rows: Rows
@@ -160,6 +162,7 @@ class SlowRows:
     pins: torch.Tensor
     pinning: torch.Tensor
     evidence_bias: torch.Tensor | None = None
+    pads: torch.Tensor | None = None
 
     @property
     def uniform_sink(self) -> int | None:
@@ -209,13 +212,15 @@ class ProbedRows:
 class Probe:
     """A coverage probe of one layer: the rows it checks, the page size of its summaries, how
     many of the best pages outside the memory it reads, and the attention share above which a
-    row refreshes (``sfi.coverage``)."""
+    row refreshes (``sfi.coverage``). ``shift [B]``: where every row's pages start
+    (``sfi.pages.page_shift``; None: at position 0)."""
 
     layer: int
     page: int
     top: int
     threshold: float
     target: ProbedRows
+    shift: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -328,7 +333,11 @@ class Planner:
                 page = c.page_size if c.page_size > 1 else DEFAULT_PAGE
                 groups.setdefault((page, c.coverage_top, c.coverage_threshold), []).append(row)
         probes = []
+        pads = [seq.pad for seq in self.sequences]
         for (page, top, threshold), rows in groups.items():
+            shift = None
+            if any(p % page for p in pads):
+                shift = page_shift(torch.tensor(pads, device=device), page)
             memories = [self.sequences[r].memory for r in rows]
             slot = torch.arange(width, device=device)[None, :]
             sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
@@ -341,7 +350,7 @@ class Planner:
                 (slot >= sink) & (slot < sink + k))
             c = self.sequences[rows[0]].config
             for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
-                probes.append(Probe(layer, page, top, threshold, target))
+                probes.append(Probe(layer, page, top, threshold, target, shift))
         return tuple(probes)
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:
@@ -375,7 +384,8 @@ class Planner:
                                     device=device),
             pins=torch.tensor([m.pinned for m in memories], device=device),
             pinning=torch.tensor([s.memory is None for s in seqs], device=device),
-            evidence_bias=evidence_bias)
+            evidence_bias=evidence_bias,
+            pads=torch.tensor([m.pad for m in memories], device=device))
 
     @staticmethod
     def _evidence_bias(memories: Sequence[Memory], windows: Sequence[int], total: int,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from sfi.config import SFIConfig
+from sfi.pages import page_count, pages_of
 from sfi.scorers import Evidence
 
 NEG_INF = float("-inf")
@@ -160,8 +161,8 @@ def top_k_positions(scores: torch.Tensor, candidates: torch.Tensor,
             candidates (it can still be chosen when fewer than K candidates score higher).
         candidates: ``[B, T]`` bool.
         k_per_row: ``[B]`` how many to keep per sequence, at most the number of candidates.
-        page: above 1, whole pages of ``page`` positions (aligned at 0) are taken, ranked by
-            their best candidate (:func:`selection_order`).
+        page: above 1, whole pages of ``page`` positions (aligned at position 0) are taken,
+            ranked by their best candidate (:func:`selection_order`).
         keep: ``[B, H, T]`` bool, positions taken before any other (pinned, or kept by
             hysteresis), best first among themselves.
 
@@ -192,10 +193,13 @@ def _sorted_slots(top: torch.Tensor, valid: torch.Tensor,
     return torch.where(top == t, first_candidate[:, None, None], top)
 
 
-def rank_keys(scores: torch.Tensor, candidates: torch.Tensor, page: int = 1) -> torch.Tensor:
+def rank_keys(scores: torch.Tensor, candidates: torch.Tensor, page: int = 1,
+              shift: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, H, T]`` int64 order keys, smallest first: a candidate's rank by score (ties by
     position); with pages, ``page_rank * page + offset`` so that a page's positions follow each
-    other, pages ranked by their best candidate. Non-candidates get a key larger than all."""
+    other, pages ranked by their best candidate (``shift [B]``: where each row's pages start,
+    :func:`sfi.pages.page_shift`; None: at position 0). Non-candidates get a key larger than
+    all."""
     b, h, t = scores.shape
     ranked = _ranked(scores, candidates)
     positions = torch.arange(t, device=scores.device)
@@ -203,30 +207,34 @@ def rank_keys(scores: torch.Tensor, candidates: torch.Tensor, page: int = 1) -> 
         order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
         keys = torch.empty_like(order).scatter_(-1, order, positions.expand(b, h, t))
     else:
-        pages = -(-t // page)
-        padded = F.pad(ranked, (0, pages * page - t), value=NEG_INF)
-        best = padded.reshape(b, h, pages, page).amax(dim=-1)  # [B, H, P]
+        pages = page_count(t, page, shift)
+        page_index = pages_of(t, page, shift, b, scores.device)[:, None, :].expand(b, h, t)
+        best = ranked.new_full((b, h, pages), NEG_INF).scatter_reduce(
+            -1, page_index, ranked, "amax")  # [B, H, P]
         order = torch.sort(best, dim=-1, descending=True, stable=True).indices
         page_rank = torch.empty_like(order).scatter_(
             -1, order, torch.arange(pages, device=scores.device).expand(b, h, pages))
-        keys = page_rank.repeat_interleave(page, dim=-1)[..., :t] * page + positions % page
+        offset = positions if shift is None else (positions[None, :] + shift[:, None])[:, None]
+        keys = page_rank.gather(-1, page_index) * page + offset % page
     limit = torch.iinfo(torch.int64).max
     return keys.masked_fill(~candidates[:, None, :], limit)
 
 
 def selection_order(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: torch.Tensor,
                     page: int = 1, keep: torch.Tensor | None = None,
-                    pinned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    pinned: torch.Tensor | None = None, shift: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 6: ``(order [B, H, k_max], valid [B, k_max])``, the chosen positions best first:
     ``pinned`` ones first, then ``keep`` ones, then whole pages in rank order (each group in
-    its own rank order); see :func:`top_k_positions`."""
+    its own rank order; pages start as ``shift`` says, :func:`rank_keys`); see
+    :func:`top_k_positions`."""
     b, t = scores.shape[0], scores.shape[-1]
     k_max = int(k_per_row.max().item()) if b else 0
     valid = torch.arange(k_max, device=scores.device)[None, :] < k_per_row[:, None]
     if page <= 1 and keep is None and pinned is None:
         return torch.topk(_ranked(scores, candidates), k_max, dim=-1).indices, valid
-    keys = rank_keys(scores, candidates, page)
-    span = -(-t // page) * page  # every candidate's key is below this
+    keys = rank_keys(scores, candidates, page, shift)
+    span = page_count(t, page, shift) * page  # every candidate's key is below this
     tier = torch.full_like(keys, 2)
     for rank, chosen in ((1, keep), (0, pinned)):
         if chosen is not None:
@@ -253,10 +261,11 @@ def compact_slots(order: torch.Tensor, valid: torch.Tensor, candidates: torch.Te
 
 
 def hysteresis_keep(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: torch.Tensor,
-                    previous: torch.Tensor, hysteresis: float, page: int = 1) -> torch.Tensor:
+                    previous: torch.Tensor, hysteresis: float, page: int = 1,
+                    shift: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, H, T]`` bool: the previously selected positions (``previous``, bool) that still
-    rank within the top (1 + hysteresis) K of ``scores``."""
-    keys = rank_keys(scores, candidates, page)
+    rank within the top (1 + hysteresis) K of ``scores`` (pages as :func:`rank_keys`)."""
+    keys = rank_keys(scores, candidates, page, shift)
     within = keys < ((1.0 + hysteresis) * k_per_row.float()).ceil().long()[:, None, None]
     return previous & within & candidates[:, None, :]
 

@@ -15,8 +15,9 @@ import torch
 
 from sfi.errors import SFIError
 from sfi.eviction.layer import EvictionLayer
+from sfi.pages import page_bounds
 from sfi.scorers import Evidence
-from sfi.scorers.quest import page_bounds, page_scores
+from sfi.scorers.quest import page_scores
 from sfi.scorers.snapkv import SnapKVScorer
 
 

@@ -37,6 +37,8 @@ class Evidence:
         keys: ``[B, H, T, D]`` the cached keys (for scorers that bound q.k by pages, Quest).
         history: ``[B, H, T]`` attention accumulated by earlier queries (H2O), where the
             caller tracks it; None otherwise.
+        pads: ``[B]`` each sequence's left padding (its first token's position), for scorers
+            that cut the cache into pages; None: no padding.
     """
 
     logits: torch.Tensor
@@ -49,6 +51,7 @@ class Evidence:
     query: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     history: torch.Tensor | None = None
+    pads: torch.Tensor | None = None
 
     def subset(self, index: torch.Tensor) -> Evidence:
         """The evidence of the sequences ``index [n]`` only."""
@@ -57,7 +60,8 @@ class Evidence:
 
         return replace(self, logits=take(self.logits), key_norms=take(self.key_norms),
                        candidates=take(self.candidates), lo=take(self.lo), hi=take(self.hi),
-                       query=take(self.query), keys=take(self.keys), history=take(self.history))
+                       query=take(self.query), keys=take(self.keys), history=take(self.history),
+                       pads=take(self.pads))
 
     def attention(self) -> torch.Tensor:
         """``[B, H, N, T]`` each row's softmax over the keys it may see (0 for a row that may

@@ -1,6 +1,7 @@
 """Quest (Tang et al. 2024) as a scorer: query-aware page bounds from min/max keys.
 
-The cache is cut into pages of ``page`` tokens (aligned at position 0); each page keeps the
+The cache is cut into pages of ``page`` tokens (aligned at each sequence's first token, so that a
+left-padded sequence in a batch gets the pages it gets alone); each page keeps the
 element-wise min m and max M of its keys. A query q bounds every q.k inside a page by
 sum_d max(q_d m_d, q_d M_d). Every position scores its page's bound, so top-K keeps whole pages.
 With grouped heads, the bounds of the G query heads sharing a KV head (their last evidence
@@ -12,21 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from sfi.errors import SFIError
+from sfi.pages import page_bounds, page_shift, pages_of
 from sfi.scorers import Evidence
-
-
-def page_bounds(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``keys [B, H, T, D]`` -> element-wise (min, max) per page, each ``[B, H, P, D]``
-    (P = ceil(T / page); the last page may be partial)."""
-    t = keys.shape[-2]
-    pad = (-t) % page
-    k = keys.float()
-    low = F.pad(k, (0, 0, 0, pad), value=float("inf")).unflatten(-2, (-1, page)).amin(dim=-2)
-    high = F.pad(k, (0, 0, 0, pad), value=float("-inf")).unflatten(-2, (-1, page)).amax(dim=-2)
-    return low, high
 
 
 def page_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -62,7 +52,8 @@ class QuestScorer:
         b, h, rows, d = evidence.query.shape
         w = evidence.queries
         last = evidence.query.reshape(b, h, rows // w, w, d)[:, :, :, -1]  # [B, H, G, D]
-        low, high = page_bounds(evidence.keys, self.page)
+        shift = page_shift(evidence.pads, self.page) if evidence.pads is not None else None
+        low, high = page_bounds(evidence.keys, self.page, shift)
         per_page = page_scores(last, low, high)  # [B, H, P]
-        t = evidence.keys.shape[-2]
-        return per_page.repeat_interleave(self.page, dim=-1)[..., :t]
+        page_index = pages_of(evidence.keys.shape[-2], self.page, shift, b, per_page.device)
+        return per_page.gather(-1, page_index[:, None, :].expand(b, h, -1))

@@ -37,7 +37,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from sfi.coverage import DEFAULT_PAGE, best_pages, misses, unheld_pages
 from sfi.kernels import attention_logits
-from sfi.scorers.quest import page_bounds
+from sfi.pages import page_bounds
 from sfi.scorers.registry import make_scorer
 from sfi.triggers import token_classes
 from sfi.vllm.paged import (

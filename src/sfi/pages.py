@@ -1,0 +1,59 @@
+"""Pages of the cache: runs of ``page`` positions that Quest, the coverage probes and paged
+selection treat as units.
+
+Pages start at each sequence's first token, so that a sequence left-padded in a batch is cut into
+the same pages as when it runs alone: page p of a row holds positions
+``[p * page - shift, (p + 1) * page - shift)``, ``shift = (-pad) % page``.
+
+Shapes: B rows, H KV heads, T positions, D head size, P pages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def page_shift(pads: torch.Tensor, page: int) -> torch.Tensor | None:
+    """``[B]`` how far page 0 of each row reaches before the cache's position 0, so that its
+    pages start at the row's first token (``pads [B]`` positions of left padding): page p
+    holds positions ``[p * page - shift, (p + 1) * page - shift)``. None when every shift is
+    0 (pages aligned at position 0)."""
+    shift = (-pads) % page
+    return shift if bool(shift.any()) else None
+
+
+def page_count(length: int, page: int, shift: torch.Tensor | None = None) -> int:
+    """Pages that cover ``length`` positions, every row's shift included."""
+    reach = length + (int(shift.max()) if shift is not None else 0)
+    return -(-reach // page)
+
+
+def page_bounds(keys: torch.Tensor, page: int, shift: torch.Tensor | None = None,
+                first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys [B, H, T, D]`` -> element-wise (min, max) of pages ``first`` to P - 1, each
+    ``[B, H, P - first, D]`` (P = :func:`page_count`; a page's positions outside [0, T) are
+    left out; ``shift [B]`` as :func:`page_shift`, None: pages aligned at position 0)."""
+    t = keys.shape[-2]
+    if shift is None:
+        k = keys[:, :, first * page:].float()
+        pad = (-k.shape[-2]) % page
+        low = F.pad(k, (0, 0, 0, pad), value=float("inf")).unflatten(-2, (-1, page)).amin(-2)
+        high = F.pad(k, (0, 0, 0, pad), value=float("-inf")).unflatten(-2, (-1, page)).amax(-2)
+        return low, high
+    b, h, _, d = keys.shape
+    virtual = torch.arange(first * page, page_count(t, page, shift) * page, device=keys.device)
+    positions = virtual[None, :] - shift[:, None]  # [B, V]
+    outside = ((positions < 0) | (positions >= t))[:, None, :, None]
+    index = positions.clamp(0, t - 1)[:, None, :, None].expand(b, h, -1, d)
+    k = keys.gather(2, index).float()
+    low = k.masked_fill(outside, float("inf")).unflatten(2, (-1, page)).amin(3)
+    high = k.masked_fill(outside, float("-inf")).unflatten(2, (-1, page)).amax(3)
+    return low, high
+
+
+def pages_of(length: int, page: int, shift: torch.Tensor | None, b: int,
+             device: torch.device) -> torch.Tensor:
+    """``[B, T]`` the page that holds each position of each row."""
+    positions = torch.arange(length, device=device)[None, :].expand(b, length)
+    return positions // page if shift is None else (positions + shift[:, None]) // page
