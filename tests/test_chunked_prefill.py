@@ -113,6 +113,8 @@ def test_server_interleaves_chunks_with_decode_steps(tiny):
         assert rebuilds and all(trace[i + 1][0] == "step" for i in rebuilds)
         assert streamed["lines"][-1] == "data: [DONE]"
         assert slab_rows == [4, 4]  # the batch holds a slab of max_batch rows from its start
+        # the long prompt joined a batch shorter than itself, with no room: one copy
+        assert engine.metrics.joins == 1 and engine.metrics.batch_copies == 1
 
 
 def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny):

@@ -151,7 +151,9 @@ def test_models_health_metrics(server):
             values[name] = float(value)
     assert values["sfi_requests_total"] >= 1
     assert {"sfi_fast_steps_total", "sfi_slow_steps_total", "sfi_queue_depth",
-            "sfi_decode_tokens_per_second", "sfi_generated_tokens_total"} <= set(values)
+            "sfi_decode_tokens_per_second", "sfi_generated_tokens_total",
+            "sfi_kv_slab_bytes"} <= set(values)
+    assert values["sfi_batch_copies_total"] <= values["sfi_batch_joins_total"]
 
 
 def test_queue_full_answers_429(tiny):

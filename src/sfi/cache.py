@@ -234,6 +234,16 @@ class SlowFastCache(Cache):
         for layer in self._sfi_layers():
             layer.reserve(rows)
 
+    @property
+    def copies(self) -> int:
+        """Times the layers' slabs were copied (grown, re-rowed, or shifted for a newcomer)."""
+        layers = self._sfi_layers()
+        return layers[0].relayouts if layers else 0
+
+    def kv_bytes(self) -> int:
+        """Bytes the layers' slabs hold (KV, key norms, compact buffers)."""
+        return sum(layer.slab_bytes for layer in self._sfi_layers())
+
     def keep(self, rows: list[int]) -> None:
         """Keep only the sequences ``rows`` (in that order), e.g. when others finish; the left
         padding that every remaining sequence has is then trimmed."""

@@ -289,6 +289,11 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
             with self._storage_mode():
                 self._relayout(reserved=rows)
 
+    @property
+    def slab_bytes(self) -> int:
+        """Bytes the slab holds (rows in use or not)."""
+        return sum(t.numel() * t.element_size() for t in self._slab.values())
+
     def _storage_mode(self) -> torch.inference_mode:
         """Inference mode when the storage was made in it (written in place only there)."""
         return torch.inference_mode(self._keys is not None and self._keys.is_inference())
@@ -376,10 +381,10 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
                 self._bind()
                 for name in _POSITIONAL:
                     getattr(self, name)[:, :, : shifts[0]] = 0
-        else:  # with room for later, longer joiners: a quarter of the length
-            room = max(16, length // 4) if shifts[0] > self.origin else 0
+        else:
             self._relayout(capacity=max(self.capacity, other.capacity + shifts[1], needed),
-                           reserved=max(n + m, self.reserved), shift=shifts[0], room=room)
+                           reserved=max(n + m, self.reserved), shift=shifts[0],
+                           room=self.origin if shifts[0] <= self.origin else 0)
         self.ensure_compact(compact_width)
         other.ensure_compact(compact_width)
         for name in _POSITIONAL:

@@ -89,6 +89,8 @@ class EngineMetrics:
     dense_steps: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    joins: int = 0  # sequences put into a running batch
+    batch_copies: int = 0  # joins and leaves that copied the batch's slab
     recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
 
     def decode_tokens_per_second(self) -> float:
@@ -205,6 +207,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.config = config if config is not None else SFIConfig()
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.kv_bytes = 0  # what the running batch's slab holds (set by the engine thread)
         self.metrics = EngineMetrics()
         self.eos = eos_token_ids(model, tokenizer)
         self.device = next(model.parameters()).device
@@ -426,8 +429,12 @@ class Engine:
             self._batch = cache
             cache.reserve(self.max_batch)
         else:
+            copies = self._batch.copies
             self._batch.merge(cache)
+            self.metrics.joins += 1
+            self.metrics.batch_copies += self._batch.copies > copies
             give_back_freed_memory()
+        self.kv_bytes = self._batch.kv_bytes()
         self._active.append(request)
         self._positions.append(length)
 
@@ -519,8 +526,11 @@ class Engine:
         self._active = [self._active[row] for row in keep]
         self._positions = [self._positions[row] for row in keep]
         if keep:
+            copies = self._batch.copies
             self._batch.keep(keep)
+            self.metrics.batch_copies += self._batch.copies > copies
             give_back_freed_memory()
             return True
         self._batch = None
+        self.kv_bytes = 0
         return False
