@@ -504,6 +504,8 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         log-sum-exp."""
         target = probe.target
         rows = target.rows
+        if step.missed.issuperset(rows.indices):  # an earlier probe layer flagged them all
+            return
         centre, radius = self.page_geometry(probe.page, probe.shift)
         missed = missing_rows(
             rows.take(q), self.keys, rows.index, rows.take(centre), rows.take(radius),

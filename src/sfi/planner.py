@@ -329,7 +329,9 @@ class Planner:
         groups: dict[tuple[int, int, float], list[int]] = {}
         for row in fast_rows:
             c = self.sequences[row].config
-            if c.coverage_layers:
+            # a row already flagged refreshes as soon as its gap allows: probing it again
+            # cannot change that
+            if c.coverage_layers and not self.sequences[row].coverage_miss:
                 page = c.page_size if c.page_size > 1 else DEFAULT_PAGE
                 groups.setdefault((page, c.coverage_top, c.coverage_threshold), []).append(row)
         probes = []
