@@ -315,10 +315,25 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
             chosen = selected.gather(-1, from_selected[:, None, :].expand(n, h, width))
             padded = torch.cat([sinks, sinks[..., :1].expand(n, h, selected.shape[-1])], dim=-1)
             positions = torch.where(slot[:, None, :] < slow.sinks[:, None, None], padded, chosen)
-        row_index = slow.rows.index[:, None, None]
-        head_index = torch.arange(h, device=self.device)[None, :, None]
-        return (self._keys[row_index, head_index, positions],
-                self._values[row_index, head_index, positions], positions)
+        rows = slow.rows.index
+        return (self._entries("_keys", rows, positions),
+                self._entries("_values", rows, positions), positions)
+
+    def _entries(self, name: str, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[n, H, W, D]`` the entries at ``positions [n, H, W]`` of the ``rows [n]`` of the
+        keys or values: one ``index_select`` of D-wide rows of the slab (on this CPU 0.10-0.20
+        ms against 0.43-0.56 ms for advanced indexing of the strided view, 3 rows x 3 heads x
+        2,052 entries of 64)."""
+        view, slab = getattr(self, name), self._slab[name]
+        d = view.shape[-1]
+        s0, s1, s2, s3 = view.stride()
+        if s3 != 1 or s2 != d or not slab.is_contiguous():
+            heads = torch.arange(view.shape[1], device=self.device)[None, :, None]
+            return view[rows[:, None, None], heads, positions]
+        heads = torch.arange(view.shape[1], device=self.device)
+        first = rows[:, None, None] * s0 + heads[None, :, None] * s1 + view.storage_offset()
+        index = first // d + positions  # [n, H, W] rows of the slab seen as [*, D]
+        return slab.view(-1, d).index_select(0, index.flatten()).view(*index.shape, d)
 
     def settle(self, wait: bool = False) -> Rows | None:
         """Commit a pending rebuild that is ready (or, with ``wait``, once it is); return the
