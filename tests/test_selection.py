@@ -299,3 +299,32 @@ def test_a_padded_row_is_cut_into_the_pages_it_has_alone():
         n = alone_low.shape[2]
         torch.testing.assert_close(low[row, :, first: first + n], alone_low[0])
         torch.testing.assert_close(high[row, :, first: first + n], alone_high[0])
+
+
+def test_the_unheld_pages_kept_between_refreshes_are_those_of_each_step(monkeypatch):
+    """A probe layer keeps its unheld-page mask from one refresh to the next; at every probe
+    of a padded batch with refreshes, it equals the mask computed afresh."""
+    from sfi.coverage import unheld_pages
+    from sfi.layers import SlowFastLayer
+
+    kept = SlowFastLayer._unheld_pages
+    checked = []
+
+    def checking(self, probe, memory, shift, pages):
+        outside = kept(self, probe, memory, shift, pages)
+        t = probe.target
+        fresh = unheld_pages(memory, t.held, t.lo, t.hi, pages=pages, page=probe.page,
+                             shift=shift)
+        assert torch.equal(outside, fresh)
+        checked.append(int(fresh.sum()))
+        return outside
+
+    monkeypatch.setattr(SlowFastLayer, "_unheld_pages", checking)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 256, (2, 90), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0  # a padded row: its pages are shifted
+    config = SFIConfig(sink=3, recent=8, k_head=10, force_sparse=True, trigger="fixed",
+                       period=5, coverage_threshold=1.0)
+    run = lockstep(tiny_model("llama"), ids, config, steps=24, attention_mask=mask)
+    assert ["slow", "slow"] in run.kinds and len(checked) > 20 and max(checked) > 0

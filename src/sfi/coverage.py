@@ -44,7 +44,8 @@ def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
                  held: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
                  threshold: float, scale: float, softcap: float | None = None,
-                 shift: torch.Tensor | None = None) -> torch.Tensor:
+                 shift: torch.Tensor | None = None,
+                 outside: torch.Tensor | None = None) -> torch.Tensor:
     """``[n]`` bool: rows whose fast memory misses attention mass (see the module docstring).
 
     Args:
@@ -57,9 +58,13 @@ def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
         lse: ``[n, H, G]`` log-sum-exp of the fast step's logits over its memory.
         shift: ``[n]`` where each row's pages start (:func:`sfi.pages.page_shift`; None: at
             position 0).
+        outside: ``[n, H, P]`` :func:`unheld_pages` of these rows when the caller keeps it
+            between refreshes (None: computed here).
     """
     t = keys.shape[-2]
-    outside = unheld_pages(memory, held, lo, hi, pages=centre.shape[2], page=page, shift=shift)
+    if outside is None:
+        outside = unheld_pages(memory, held, lo, hi, pages=centre.shape[2], page=page,
+                               shift=shift)
     positions, real = best_pages(query, centre, radius, outside, page=page, top=top, length=t,
                                  shift=shift)
     heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]

@@ -29,7 +29,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sfi.attention import AttendingLayer
 from sfi.context import StepContext, current_step
-from sfi.coverage import missing_rows
+from sfi.coverage import missing_rows, unheld_pages
 from sfi.errors import SFIError
 from sfi.kernels import dense_attention, fast_attention, window_logits
 from sfi.overlap import StagedCompact
@@ -95,6 +95,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         self.compact_positions: torch.Tensor | None = None
         self.pending: StagedCompact | None = None
         self._pages: _PageSummaries | None = None
+        self._unheld: tuple[tuple, torch.Tensor] | None = None  # a probe's, until a refresh
 
     # --- the CacheLayerMixin interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -350,6 +351,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         staged.rows.put(self.compact_values[:, :, :width], staged.values)
         staged.rows.put(self.compact_positions[:, :, :width], staged.positions)
         self.pending = None
+        self._unheld = None
         return None
 
     def ensure_compact(self, width: int) -> None:
@@ -418,7 +420,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         self.rows = n + m
         self.length = length
         self._bind()
-        self._pages = None  # positions moved: summarise again when asked
+        self._pages = self._unheld = None  # positions moved: summarise again when asked
 
     def keep(self, index: torch.Tensor, trim: int) -> None:
         """Keep the sequences ``index`` and drop the first ``trim`` positions (padding).
@@ -430,7 +432,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
 
     def _keep(self, index: torch.Tensor, trim: int) -> None:
         self.settle(wait=True)
-        self._pages = None
+        self._pages = self._unheld = None
         order = index.tolist()
         names = [name for name in (*_POSITIONAL, *_COMPACT) if name in self._slab]
         if all(a < b for a, b in itertools.pairwise(order)):
@@ -522,13 +524,34 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         if step.missed.issuperset(rows.indices):  # an earlier probe layer flagged them all
             return
         centre, radius = self.page_geometry(probe.page, probe.shift)
+        memory = rows.take(self.compact_positions[:, :, : plan.compact_width])
+        shift = rows.take(probe.shift) if probe.shift is not None else None
         missed = missing_rows(
-            rows.take(q), self.keys, rows.index, rows.take(centre), rows.take(radius),
-            rows.take(self.compact_positions[:, :, : plan.compact_width]), target.held,
-            target.lo, target.hi, fast_lse.index_select(0, target.fast_index),
+            rows.take(q), self.keys, rows.index, rows.take(centre), rows.take(radius), memory,
+            target.held, target.lo, target.hi, fast_lse.index_select(0, target.fast_index),
             page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
-            softcap=softcap, shift=rows.take(probe.shift) if probe.shift is not None else None)
+            softcap=softcap, shift=shift,
+            outside=self._unheld_pages(probe, memory, shift, centre.shape[2]))
         step.missed.update(r for r, miss in zip(rows.indices, missed.tolist()) if miss)
+
+    def _unheld_pages(self, probe: Probe, memory: torch.Tensor, shift: torch.Tensor | None,
+                      pages: int) -> torch.Tensor:
+        """``[n, H, pages]`` :func:`sfi.coverage.unheld_pages` of the probe's rows, kept from
+        one step to the next: it changes only when a memory does (a refresh, a join or a
+        leave, which drop it); pages appended since lie past the middle region."""
+        target = probe.target
+        key = (probe.page, target.rows.indices, memory.shape[-1],
+               None if shift is None else tuple(shift.tolist()))
+        if self._unheld is None or self._unheld[0] != key or \
+                self._unheld[1].shape[-1] > pages:
+            outside = unheld_pages(memory, target.held, target.lo, target.hi, pages=pages,
+                                   page=probe.page, shift=shift)
+            self._unheld = (key, outside)
+        outside = self._unheld[1]
+        if outside.shape[-1] < pages:
+            outside = torch.nn.functional.pad(outside, (0, pages - outside.shape[-1]))
+            self._unheld = (self._unheld[0], outside)
+        return outside
 
     # --- the slow step's refresh -----------------------------------------------------------
     def _select_after_prefill(self, step: StepContext, slow: SlowRows, query: torch.Tensor,
