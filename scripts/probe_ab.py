@@ -1,0 +1,55 @@
+"""What the coverage probes cost a fast step, measured in one process.
+
+Run as ``.venv/bin/python scripts/probe_ab.py [context] [batch] [reps]`` (default 16384 1 12):
+fills a cache of the default model with synthetic KV, then alternates ``reps`` times 20 fast
+steps with the default preset's 8 probe layers and 20 without (the same cache, the sequences'
+configuration switched between them; no refresh happens), and prints the median step of each
+block and the median of the paired differences.
+"""
+
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from sfi.bench.throughput import benchmark_ids, make_bench_cache
+from sfi.config import SFIConfig
+from sfi.decode import decode_one, prefill
+from sfi.models import load
+from sfi.prefix import prefix_kv
+
+torch.set_num_threads(2)
+context, batch, reps = ([int(a) for a in sys.argv[1:4]] + [16384, 1, 12][len(sys.argv) - 1:])[:3]
+model, tokenizer = load("default")
+probing = replace(SFIConfig(), trigger="bootstrap", coverage_threshold=1.0)  # never refresh
+configs = {"probes": probing, "no probes": replace(probing, coverage_layers=0)}
+ids = benchmark_ids(tokenizer, context, batch)
+window = probing.evidence_window
+medians: dict[str, list[float]] = {name: [] for name in configs}
+with torch.inference_mode():
+    prefix = prefix_kv(model, ids[:, :-window], True)
+    cache = make_bench_cache("sfi", model, tokenizer, probing, prefix, context + 20 * 2 * reps + 20)
+    token = prefill(model, cache, ids[:, -window:], start=context - window).argmax(-1)
+    position = torch.full((batch,), context, dtype=torch.long)
+    for _ in range(5):
+        token = decode_one(model, cache, token, position).argmax(-1)
+        position = position + 1
+    for _ in range(reps):
+        for name, config in configs.items():
+            for sequence in cache.planner.sequences:
+                sequence.config = config
+            times = []
+            for _ in range(20):
+                start = time.perf_counter()
+                token = decode_one(model, cache, token, position).argmax(-1)
+                times.append(time.perf_counter() - start)
+                position = position + 1
+            if set(cache.step_kinds()) != {"fast"}:
+                raise SystemExit(f"a step was not fast: {cache.step_kinds()}")
+            medians[name].append(statistics.median(times) * 1e3)
+for name, values in medians.items():
+    print(f"{name:10s}", " ".join(f"{v:.2f}" for v in values), "ms")
+paired = statistics.median(a - b for a, b in zip(medians["probes"], medians["no probes"]))
+print(f"the probes' cost per step (median of paired differences): {paired:.2f} ms")
