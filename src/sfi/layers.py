@@ -322,9 +322,9 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
 
     def _entries(self, name: str, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[n, H, W, D]`` the entries at ``positions [n, H, W]`` of the ``rows [n]`` of the
-        keys or values: one ``index_select`` of D-wide rows of the slab (on this CPU 0.10-0.20
-        ms against 0.43-0.56 ms for advanced indexing of the strided view, 3 rows x 3 heads x
-        2,052 entries of 64)."""
+        keys or values: one ``index_select`` of D-wide rows of the slab (on this CPU, a 16K cache,
+        3 heads x 2,052 entries: about 0.11 ms against 0.19 ms for advanced indexing of the
+        strided view)."""
         view, slab = getattr(self, name), self._slab[name]
         d = view.shape[-1]
         s0, s1, s2, s3 = view.stride()
