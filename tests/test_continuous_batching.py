@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_model
 
 from sfi import SFIConfig, SlowFastCache
+from sfi.errors import SFIError
 from sfi.hf import cache_argument
 
 CONFIG = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed", period=3)
@@ -155,6 +157,8 @@ def test_a_reserved_slab_takes_joins_and_leaves_without_copying_the_batch():
         return cache, logits.argmax(-1, keepdim=True)
 
     batch, token_a = prefill(a)
+    with pytest.raises(SFIError, match="rows >= 1"):
+        batch.reserve(0)
     batch.reserve(3)
     layer = batch.layers[0]
     slab = layer._slab["_keys"]

@@ -229,8 +229,9 @@ class SlowFastCache(Cache):
         """Preallocate ``rows`` rows in every layer (a slab): sequences that :meth:`merge` into
         this batch take free rows, and those that :meth:`keep` drops give theirs back, without
         the batch being copied. One copy of the batch now, when the rows change."""
-        if rows < 1:
-            raise SFIError(f"reserve needs at least one row (got {rows})")
+        if rows < max(1, self.batch_size):
+            raise SFIError(f"reserve needs rows >= {max(1, self.batch_size)}, the sequences "
+                           f"this batch holds (got {rows})")
         for layer in self._sfi_layers():
             layer.reserve(rows)
 
