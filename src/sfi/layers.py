@@ -208,20 +208,24 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         n = pages.count
         return pages.low[:, :, :n], pages.high[:, :, :n]
 
-    def page_geometry(self, page: int, shift: torch.Tensor | None = None
+    def page_geometry(self, page: int, shift: torch.Tensor | None = None,
+                      aligned: tuple[int, ...] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(centre, radius)`` ``[B, H, P, D]`` of the same boxes, ``(high + low) / 2`` and
-        ``(high - low) / 2``: what bounding ``q . k`` reads (``sfi.scorers.quest``)."""
-        pages = self._summarise(page, shift)
+        ``(high - low) / 2``: what bounding ``q . k`` reads (``sfi.scorers.quest``).
+        ``aligned``: ``shift`` as Python ints, when the caller has them."""
+        pages = self._summarise(page, shift, aligned)
         n = pages.count
         return pages.centre[:, :, :n], pages.radius[:, :, :n]
 
-    def _summarise(self, page: int, shift: torch.Tensor | None) -> _PageSummaries:
+    def _summarise(self, page: int, shift: torch.Tensor | None,
+                   aligned: tuple[int, ...] | None = None) -> _PageSummaries:
         """The page summaries, kept up to date incrementally: each call summarises only the
         pages that hold positions appended since the last."""
         t = self.length
         count = page_count(t, page, shift)
-        aligned = None if shift is None else tuple(shift.tolist())
+        if aligned is None and shift is not None:
+            aligned = tuple(shift.tolist())
         pages = self._pages
         if pages is None or pages.page != page or pages.shift != aligned or pages.room < count:
             b, h, _, d = self._keys.shape
@@ -325,14 +329,11 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         keys or values: one ``index_select`` of D-wide rows of the slab (on this CPU, a 16K cache,
         3 heads x 2,052 entries: about 0.11 ms against 0.19 ms for advanced indexing of the
         strided view)."""
-        view, slab = getattr(self, name), self._slab[name]
+        view, slab = getattr(self, name), self._slab[name]  # the slab is contiguous
         d = view.shape[-1]
-        s0, s1, s2, s3 = view.stride()
-        if s3 != 1 or s2 != d or not slab.is_contiguous():
-            heads = torch.arange(view.shape[1], device=self.device)[None, :, None]
-            return view[rows[:, None, None], heads, positions]
         heads = torch.arange(view.shape[1], device=self.device)
-        first = rows[:, None, None] * s0 + heads[None, :, None] * s1 + view.storage_offset()
+        first = (rows[:, None, None] * view.stride(0) + heads[None, :, None] * view.stride(1)
+                 + view.storage_offset())
         index = first // d + positions  # [n, H, W] rows of the slab seen as [*, D]
         return slab.view(-1, d).index_select(0, index.flatten()).view(*index.shape, d)
 
@@ -523,7 +524,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         rows = target.rows
         if step.missed.issuperset(rows.indices):  # an earlier probe layer flagged them all
             return
-        centre, radius = self.page_geometry(probe.page, probe.shift)
+        centre, radius = self.page_geometry(probe.page, probe.shift, probe.aligned)
         memory = rows.take(self.compact_positions[:, :, : plan.compact_width])
         shift = rows.take(probe.shift) if probe.shift is not None else None
         missed = missing_rows(
@@ -540,10 +541,8 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         one step to the next: it changes only when a memory does (a refresh, a join or a
         leave, which drop it); pages appended since lie past the middle region."""
         target = probe.target
-        key = (probe.page, target.rows.indices, memory.shape[-1],
-               None if shift is None else tuple(shift.tolist()))
-        if self._unheld is None or self._unheld[0] != key or \
-                self._unheld[1].shape[-1] > pages:
+        key = (probe.page, target.rows.indices, memory.shape[-1], probe.aligned)
+        if self._unheld is None or self._unheld[0] != key:
             outside = unheld_pages(memory, target.held, target.lo, target.hi, pages=pages,
                                    page=probe.page, shift=shift)
             self._unheld = (key, outside)

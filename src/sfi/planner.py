@@ -23,7 +23,6 @@ import torch
 from sfi.config import SFIConfig
 from sfi.coverage import DEFAULT_PAGE, probe_layers
 from sfi.kernels import additive_bias, causal_mask
-from sfi.pages import page_shift
 from sfi.rows import Rows
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
@@ -213,7 +212,8 @@ class Probe:
     """A coverage probe of one layer: the rows it checks, the page size of its summaries, how
     many of the best pages outside the memory it reads, and the attention share above which a
     row refreshes (``sfi.coverage``). ``shift [B]``: where every row's pages start
-    (``sfi.pages.page_shift``; None: at position 0)."""
+    (``sfi.pages.page_shift``; None: at position 0); ``aligned`` the same as Python ints, a key
+    for what the layers keep between steps."""
 
     layer: int
     page: int
@@ -221,6 +221,7 @@ class Probe:
     threshold: float
     target: ProbedRows
     shift: torch.Tensor | None = None
+    aligned: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -337,9 +338,9 @@ class Planner:
         probes = []
         pads = [seq.pad for seq in self.sequences]
         for (page, top, threshold), rows in groups.items():
-            shift = None
-            if any(p % page for p in pads):
-                shift = page_shift(torch.tensor(pads, device=device), page)
+            aligned = tuple(-p % page for p in pads)  # sfi.pages.page_shift, in Python
+            aligned = aligned if any(aligned) else None
+            shift = torch.tensor(aligned, device=device) if aligned else None
             memories = [self.sequences[r].memory for r in rows]
             slot = torch.arange(width, device=device)[None, :]
             sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
@@ -352,7 +353,7 @@ class Planner:
                 (slot >= sink) & (slot < sink + k))
             c = self.sequences[rows[0]].config
             for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
-                probes.append(Probe(layer, page, top, threshold, target, shift))
+                probes.append(Probe(layer, page, top, threshold, target, shift, aligned))
         return tuple(probes)
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:

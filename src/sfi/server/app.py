@@ -493,7 +493,7 @@ async def metrics(http: Request) -> PlainTextResponse:
          "bytes of the running batch's slab (max_batch rows of KV, norms, compact buffers)"),
         ("sfi_batch_joins_total", "counter", m.joins, "sequences put into a running batch"),
         ("sfi_batch_copies_total", "counter", m.batch_copies,
-         "joins and leaves that copied the batch (the slab lacked rows, positions or room)"),
+         "joins that copied the batch (the slab lacked rows, positions or room)"),
         ("sfi_decode_tokens_per_second", "gauge", round(m.decode_tokens_per_second(), 3),
          "tokens per second over the last batched steps"),
         ("sfi_process_peak_rss_bytes", "gauge", _peak_rss_bytes(),

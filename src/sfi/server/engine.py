@@ -90,7 +90,7 @@ class EngineMetrics:
     decode_steps: int = 0
     prefill_chunks: int = 0
     joins: int = 0  # sequences put into a running batch
-    batch_copies: int = 0  # joins and leaves that copied the batch's slab
+    batch_copies: int = 0  # joins that copied the batch's slab
     recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
 
     def decode_tokens_per_second(self) -> float:
@@ -526,9 +526,7 @@ class Engine:
         self._active = [self._active[row] for row in keep]
         self._positions = [self._positions[row] for row in keep]
         if keep:
-            copies = self._batch.copies
-            self._batch.keep(keep)
-            self.metrics.batch_copies += self._batch.copies > copies
+            self._batch.keep(keep)  # moves rows within the slab: never a copy of it
             give_back_freed_memory()
             return True
         self._batch = None
