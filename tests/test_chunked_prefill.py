@@ -14,8 +14,8 @@ from serverkit import CONFIG, Server
 
 import sfi
 from sfi.cache import SlowFastCache
-from sfi.decode import decode_one, prefill
-from sfi.server.engine import prompt_chunks
+from sfi.decode import decode_one, prefill, prompt_chunks
+from sfi.errors import SFIError
 
 
 @pytest.mark.parametrize("length, chunk, window", [
@@ -149,3 +149,36 @@ def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny):
             "model": "tiny", "prompt": prompt, "max_tokens": 60, "temperature": 0})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         assert "KV tokens" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("mode", ["sfi", "full"])
+def test_generate_prefills_in_chunks_like_one_forward(tiny_llama_with_tokenizer, mode):
+    """``prefill_chunk`` cuts the prompt (a left-padded batch here) into forwards and reports
+    each; the tokens are those of one forward."""
+    model, tok = tiny_llama_with_tokenizer
+    prompts = ["One two three. Four five six! " * 12, "Seven eight. " * 20]
+    config = sfi.SFIConfig(sink=2, recent=8, k_head=6, force_sparse=True) if mode == "sfi" \
+        else None
+    whole = sfi.generate(model, tok, prompts, mode=mode, config=config, max_new_tokens=10)
+    progress: list[tuple[int, int]] = []
+    chunked = sfi.generate(model, tok, prompts, mode=mode, config=config, max_new_tokens=10,
+                           prefill_chunk=32,
+                           on_prefill=lambda done, total: progress.append((done, total)))
+    assert [r.token_ids for r in chunked] == [r.token_ids for r in whole]
+    total = progress[-1][1]
+    assert len(progress) >= 2  # the padding (the shorter prompt's) all in the first chunk
+    assert [done for done, _ in progress] == sorted({done for done, _ in progress})
+    assert progress[-1] == (total, total)
+
+
+def test_prefill_keeps_the_callers_chunking(tiny):
+    """A caller that chunks the prompt itself (the server) sets ``prompt_continues``; one
+    ``prefill`` call must leave it as the caller set it."""
+    model, tok = tiny
+    cache = SlowFastCache(model, sfi.SFIConfig(sink=2, recent=16, k_head=40, force_sparse=True),
+                          tokenizer=tok, max_cache_len=200)
+    cache.prompt_continues = True
+    prefill(model, cache, torch.randint(5, 2000, (1, 100)), start=0, chunk=32)
+    assert cache.prompt_continues is True
+    with pytest.raises(SFIError, match="holds no selection"):
+        cache.selected_positions(0, 0)  # no chunk made the first selection

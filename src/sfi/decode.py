@@ -16,6 +16,7 @@ so their timings compare like with like.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -36,24 +37,56 @@ MODES: tuple[str, ...] = ("sfi", "full")
 
 
 # --- the pieces of every loop -------------------------------------------------------------------
+def prompt_chunks(length: int, chunk: int | None, window: int) -> list[int]:
+    """Boundaries ``[0, ..., length]`` of a prompt's prefill chunks: at most ``chunk`` tokens
+    each, except that the last has at least ``window`` tokens (the queries of SFI's first
+    selection), taken from the chunk before it."""
+    if not chunk or length <= chunk:
+        return [0, length]
+    last = min((length - 1) // chunk * chunk, length - window)
+    return [*range(0, last, chunk), last, length] if last > 0 else [0, length]
+
+
+PREFILL_CHUNK = 512  # tokens per forward of a prefill that reports its progress
+
+
 def prefill(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *,
             attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-            start: int | None = None) -> torch.Tensor:
+            start: int | None = None, chunk: int | None = None,
+            on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """Run ``ids [B, L]`` through ``model`` into ``cache``; return the logits ``[B, V]`` of the
     last position.
 
     Positions are ``positions``, else ``start, start + 1, ...`` when ``start`` is given, else
-    the model's default (counting from the cache's length; with left padding pass them)."""
-    kwargs: dict[str, Any] = {}
+    the model's default (counting from the cache's length; with left padding pass them).
+    With ``chunk`` the tokens go in forwards of at most that many (the last one at least SFI's
+    evidence window, so that the first selection sees as many queries as in one forward; the
+    first at least as long as the longest left padding, so that every row has a real token in
+    it), and ``on_progress(done, total)`` is called after each."""
     if positions is None and start is not None:
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)
         positions = positions[None].expand(ids.shape[0], -1)
-    if positions is not None:
-        kwargs["position_ids"] = positions
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1,
-                **{cache_argument(model): cache}, **kwargs)
+    config = getattr(cache, "config", None)
+    window = config.evidence_window if isinstance(config, SFIConfig) else 1
+    bounds = prompt_chunks(ids.shape[1], chunk, window)
+    past = attention_mask.shape[1] - ids.shape[1] if attention_mask is not None else 0
+    if attention_mask is not None and len(bounds) > 2:
+        # every row needs a real token in the first chunk (a left-padded row's padding all in it)
+        padding = int((attention_mask[:, past:] == 0).sum(dim=-1).max())
+        bounds = [0, *(b for b in bounds[1:] if b > padding)]
+    continues = getattr(cache, "prompt_continues", None)  # the caller's own chunking, if any
+    for begin, end in itertools.pairwise(bounds):
+        kwargs: dict[str, Any] = {}
+        if positions is not None:
+            kwargs["position_ids"] = positions[:, begin:end]
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask[:, :past + end]
+        if continues is not None:
+            cache.prompt_continues = end < ids.shape[1] or continues
+        out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1,
+                    **{cache_argument(model): cache}, **kwargs)
+        if on_progress is not None:
+            on_progress(end, ids.shape[1])
     return out.logits[:, -1]
 
 
@@ -65,6 +98,28 @@ def decode_one(model: torch.nn.Module, cache: Any, tokens: torch.Tensor,
     out = model(input_ids=tokens[:, None], position_ids=positions[:, None], use_cache=True,
                 **{cache_argument(model): cache}, **kwargs)
     return out.logits[:, -1]
+
+
+def continue_greedy(model: torch.nn.Module, cache: Any, ids: torch.Tensor, start: int,
+                    max_new_tokens: int, eos: Collection[int],
+                    on_token: Callable[[int], None] | None = None) -> list[int]:
+    """Greedy decoding of one sequence whose cache already holds ``ids[:, :start]``: run
+    ``ids [1, T]``'s remaining tokens as one forward, then one token per step until an
+    end-of-sequence token (not kept) or ``max_new_tokens``; returns the new token ids.
+    ``on_token(token_id)`` sees each kept token as it comes."""
+    total, device = ids.shape[1], ids.device
+    checker = StopChecker(None, eos, max_tokens=max_new_tokens)
+    logits = prefill(model, cache, ids[:, start:], start=start)
+    while True:
+        kept = len(checker.tokens)
+        ended = checker.push(int(logits[0].argmax()))
+        if on_token is not None and len(checker.tokens) > kept:
+            on_token(checker.tokens[-1])
+        if ended:
+            return checker.tokens
+        token = torch.tensor([checker.tokens[-1]], device=device)
+        position = torch.tensor([total + len(checker.tokens) - 1], device=device)
+        logits = decode_one(model, cache, token, position)
 
 
 class StopChecker:
@@ -277,21 +332,29 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
              config: SFIConfig | None = None, max_new_tokens: int = 128, mode: Mode = "sfi",
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
              stop: Sequence[str] | None = None, chat: bool = False, scorer: Scorer | None = None,
-             on_token: Callable[[int, int], None] | None = None
+             on_token: Callable[[int, int], None] | None = None,
+             prefill_chunk: int | None = None,
+             on_prefill: Callable[[int, int], None] | None = None
              ) -> GenerateResult | list[GenerateResult]:
     """Generate continuations of ``prompt`` (one string, or a list decoded as one batch).
 
     Args:
-        model, tokenizer: a transformers causal LM and its tokenizer (see :func:`sfi.load`).
+        model: a transformers causal LM (see :func:`sfi.load`).
+        tokenizer: its tokenizer.
         prompt: the text, or a list of texts decoded together with left padding.
         config: SFI knobs (``mode="sfi"`` only); defaults to ``SFIConfig()``.
         max_new_tokens: how many tokens to generate at most.
         mode: ``"sfi"`` (slow-fast decoding) or ``"full"`` (dense attention, stock cache).
-        temperature, top_p, seed: sampling; temperature 0 is greedy.
+        temperature: sampling temperature; 0 is greedy.
+        top_p: nucleus sampling keeps the most likely tokens up to this probability mass.
+        seed: the sampling generator's seed (None: torch's global generator).
         stop: strings that end a sequence (the text is cut before them).
         chat: wrap each prompt in the tokenizer's chat template as a user message.
         scorer: what ranks positions at slow steps (default: the SFI Selector).
         on_token: called as ``on_token(row, token_id)`` for every new token, for streaming.
+        prefill_chunk: prefill the prompt in forwards of at most this many tokens (None: one
+            forward); results agree with one forward to float rounding.
+        on_prefill: called as ``on_prefill(done, total)`` after each prefill forward.
 
     Returns:
         A :class:`GenerateResult` for a string prompt, a list of them for a list of prompts.
@@ -304,6 +367,8 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
     check_number("max_new_tokens", max_new_tokens, 1, integer=True)
     check_number("temperature", temperature, 0.0)
     check_number("top_p", top_p, 0.0, 1.0, low_open=True)
+    if prefill_chunk is not None:
+        check_number("prefill_chunk", prefill_chunk, 1, integer=True)
     if mode == "full" and config is not None:
         raise SFIError("config applies to mode='sfi' only; full attention takes no SFI config")
     device = next(model.parameters()).device
@@ -327,7 +392,8 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
 
     timing = Timing()
     start = time.perf_counter()
-    logits = prefill(model, cache, input_ids, attention_mask=attention_mask, positions=positions)
+    logits = prefill(model, cache, input_ids, attention_mask=attention_mask, positions=positions,
+                     chunk=prefill_chunk, on_progress=on_prefill)
     next_ids = sample_next(logits, temperature, top_p, generator)
     timing.prefill_s = time.perf_counter() - start
 

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from sfi.caches import KV, DecodeCache, FullCache
-from sfi.decode import prefill
+from sfi.decode import PREFILL_CHUNK, prefill
 from sfi.eviction.cache import prefill_with_history
 from sfi.hf import text_config
 
 
 @torch.inference_mode()
-def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool) -> KV:
-    """KV of ``ids [B, T]`` for every layer: a real prefill, or random tensors of the right
-    shape."""
+def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool,
+              on_progress: Callable[[int, int], None] | None = None) -> KV:
+    """KV of ``ids [B, T]`` for every layer: a real prefill (in chunks reported to
+    ``on_progress(done, total)`` when given), or random tensors of the right shape."""
     cfg = text_config(model)
     if synthetic:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -27,7 +29,8 @@ def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool) -> KV:
                  torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype))
                 for _ in range(cfg.num_hidden_layers)]
     cache = FullCache(config=model.config)
-    prefill(model, cache, ids)
+    chunk = PREFILL_CHUNK if on_progress is not None else None
+    prefill(model, cache, ids, chunk=chunk, on_progress=on_progress)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -38,13 +41,16 @@ class SharedPrefill:
     prompt query ``[1, H, T]`` (what H2O's eviction starts from); that costs a second pass of
     query-key products over the prompt, so ask for it only when a method needs it.
 
+    ``on_progress(done, total)`` hears of each chunk of the prefill (without ``history``).
+
     With ``store`` (a folder) the prefill is kept on disk, keyed by the model and the token ids,
     and read back instead of recomputed the next time (an 8K prefill of Qwen2.5-0.5B takes
     minutes on a CPU and about a second to read).
     """
 
     def __init__(self, model: torch.nn.Module, ids: torch.Tensor, history: bool = False,
-                 store: Path | None = None):
+                 store: Path | None = None,
+                 on_progress: Callable[[int, int], None] | None = None):
         self.length = ids.shape[1]
         self.history: list[torch.Tensor] | None = None
         path = None if store is None else Path(store) / f"{prefill_key(model, ids)}.pt"
@@ -57,7 +63,7 @@ class SharedPrefill:
         if history:
             self.kv, self.history = prefill_with_history(model, ids)
         else:
-            self.kv = prefix_kv(model, ids, synthetic=False)
+            self.kv = prefix_kv(model, ids, synthetic=False, on_progress=on_progress)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(".partial")

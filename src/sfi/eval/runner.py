@@ -18,7 +18,7 @@ import torch
 
 from sfi.caches import DecodeCache
 from sfi.config import SFIConfig
-from sfi.decode import StopChecker, decode_one, prefill
+from sfi.decode import continue_greedy
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
 from sfi.eval.tasks import TASKS, Sample, make_sample, score
@@ -71,14 +71,7 @@ def greedy_continue(model: torch.nn.Module, cache: DecodeCache, shared: SharedPr
     if shared is not None:
         shared.load(cache)
         start = shared.length
-    total, device = ids.shape[1], ids.device
-    checker = StopChecker(None, eos, max_tokens=max_new_tokens)
-    logits = prefill(model, cache, ids[:, start:], start=start)
-    while not checker.push(int(logits[0].argmax())):
-        token = torch.tensor([checker.tokens[-1]], device=device)
-        position = torch.tensor([total + len(checker.tokens) - 1], device=device)
-        logits = decode_one(model, cache, token, position)
-    return checker.tokens
+    return continue_greedy(model, cache, ids, start, max_new_tokens, eos)
 
 
 def parse_runs(methods: Sequence[str], budgets: Sequence[float]

@@ -28,7 +28,7 @@ import torch
 
 from sfi.cache import SlowFastCache
 from sfi.config import SFIConfig
-from sfi.decode import StopChecker, decode_one, prefill, sample_next
+from sfi.decode import StopChecker, decode_one, prefill, prompt_chunks, sample_next
 from sfi.errors import SFIError
 from sfi.hf import eos_token_ids
 from sfi.methods import build_cache
@@ -134,16 +134,6 @@ class KVBudgetError(SFIError):
 def kv_tokens(request: GenerationRequest) -> int:
     """The KV tokens a request may come to hold: its prompt and every token it may generate."""
     return len(request.prompt_ids) + request.max_tokens
-
-
-def prompt_chunks(length: int, chunk: int | None, window: int) -> list[int]:
-    """Boundaries ``[0, ..., length]`` of a prompt's prefill chunks: at most ``chunk`` tokens
-    each, except that the last has at least ``window`` tokens (the queries of SFI's first
-    selection), taken from the chunk before it."""
-    if not chunk or length <= chunk:
-        return [0, length]
-    last = min((length - 1) // chunk * chunk, length - window)
-    return [*range(0, last, chunk), last, length] if last > 0 else [0, length]
 
 
 @dataclass
