@@ -70,3 +70,25 @@ def test_bench_vllm_without_vllm_says_how_to_get_it():
     assert result.returncode == 2
     assert "sfi bench-vllm needs vLLM" in result.stderr and "make install-vllm" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.model
+def test_generate_streams_the_text_it_prints(default_model):
+    common = ["generate", "--prompt", "The sea is calm. The sky is blue. Birds",
+              "--max-new-tokens", "16"]
+    plain = run_cli(*common)
+    streamed = run_cli(*common, "--stream")
+    assert plain.returncode == 0 and streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout.strip() and streamed.stdout.strip() == plain.stdout.strip()
+    refused = run_cli(*common, "--stream", "--json")
+    assert refused.returncode == 2 and "choose one" in refused.stderr
+
+
+@pytest.mark.model
+def test_demo_prints_both_answers_and_the_speedup(default_model):
+    result = run_cli("demo", "--context", "1500", "--seed", "0", "--answer-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "What is the special magic number" in out and "correct │ yes │ yes" in out
+    assert "Write a short essay" in out and "tokens/s" in out
+    assert "x as fast as full attention" in out and "Traceback" not in result.stderr

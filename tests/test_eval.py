@@ -225,12 +225,35 @@ def test_diagnose_reports_coverage_by_stage_and_captured_mass(default_model):
 
 
 @pytest.mark.model
-def test_demo_answers_from_the_document_both_ways(default_model):
+def test_demo_answers_from_one_prefill_both_ways(default_model):
     from sfi.demo import run_demo
 
     model, tok = default_model
-    result = run_demo(model, tok, context=1500, seed=0, max_new_tokens=12)
-    assert result.fact in result.sample.text and result.question in result.sample.text
-    assert result.full.mode == "full" and result.sfi.mode == "sfi"
-    assert result.correct(result.full)  # this seed's fact is found by full attention
-    assert 0.0 < result.sfi.stats.read_fraction < 1.0
+    prefilled = []
+    result = run_demo(model, tok, context=1500, seed=0, answer_tokens=16,
+                      on_prefill=lambda done, total: prefilled.append((done, total)))
+    assert result.hidden in result.sample.text and result.question in result.sample.text
+    assert prefilled[-1] == (result.prefill_tokens, result.prefill_tokens)
+    # one prefill of the document serves both questions: they share its tokens
+    assert result.prefill_tokens > 1300
+    for side in ("full", "sfi"):
+        assert result.correct(result.fact[side])  # this seed's fact is found by both
+        longer = result.explanation[side]
+        assert longer.mode == side and 0 < len(longer.token_ids) <= 16
+        assert longer.seconds > 0 and longer.tokens_per_s > 0
+    assert result.explanation["full"].read_fraction == 1.0
+    assert 0.0 < result.explanation["sfi"].read_fraction < 1.0
+    assert result.speedup > 0
+    first = result.explanation["full"].token_ids
+    assert result.agreeing_tokens == next(
+        (i for i, (a, b) in enumerate(zip(first, result.explanation["sfi"].token_ids))
+         if a != b), min(len(first), len(result.explanation["sfi"].token_ids)))
+
+
+def test_shared_length_leaves_each_prompt_its_window():
+    from sfi.demo import _shared_length
+
+    assert _shared_length([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9], window=2) == 3
+    assert _shared_length([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7], window=2) == 4
+    with pytest.raises(SFIError, match="share no document tokens"):
+        _shared_length([1, 2, 3], [7, 8, 9], window=1)

@@ -41,6 +41,8 @@ class Sample:
         continuation: for ``fidelity``, how many of ``prompt_ids`` are the real continuation.
         target: the context length that was asked for (the prompt comes within a few tokens).
         question: what the prompt asks (after the haystack).
+        document: the user message before the question: the instruction and the haystack
+            with its needles (to ask the same document something else).
     """
 
     task: str
@@ -53,6 +55,7 @@ class Sample:
     continuation: int = 0
     target: int = 0
     question: str = ""
+    document: str = ""
 
     @property
     def context(self) -> int:
@@ -285,20 +288,20 @@ def make_sample(task: str, tokenizer: Any, context: int, seed: int,
     spec = _SPECS[task](rng)
     depths = _depths(task, rng, depth)
 
-    def prompt(hay: str) -> str:
-        user = f"{spec.instruction}\n\n{hay}\n\n{spec.question}"
-        return chat_prompt(tokenizer, user, spec.answer_prefix)
+    def prompt(document: str) -> str:
+        return chat_prompt(tokenizer, f"{document}\n\n{spec.question}", spec.answer_prefix)
 
-    overhead = len(tokenizer(prompt(" ".join(spec.needles)), add_special_tokens=False)
-                   ["input_ids"])
+    overhead = len(tokenizer(prompt(f"{spec.instruction}\n\n{' '.join(spec.needles)}"),
+                             add_special_tokens=False)["input_ids"])
     if context <= overhead + 64:
         raise SFIError(f"a {task} prompt needs more than {overhead + 64} tokens; got {context}")
     offset_seed = rng.random()
     hay = context - overhead
     for _ in range(2):  # sentence splitting drops some whitespace tokens: correct once
         sentences = haystack(tokenizer, hay, random.Random(offset_seed))
-        text = prompt(insert_needles(sentences, spec.needles, depths))
+        document = f"{spec.instruction}\n\n{insert_needles(sentences, spec.needles, depths)}"
+        text = prompt(document)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         hay += context - len(ids)
     return Sample(task, ids, spec.answers, spec.max_new_tokens, depths, spec.needles, text,
-                  target=context, question=spec.question)
+                  target=context, question=spec.question, document=document)
