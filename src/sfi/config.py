@@ -47,73 +47,110 @@ class SFIConfig:
     """Configuration of slow-fast decoding: the default preset (what measures best in
     ``docs/eval``); ``SFIConfig.paper()`` is METHOD.md exactly.
 
-    Memory of a fast step, per (layer, KV head): ``sink`` first tokens, ``K`` selected tokens
-    from the middle region, and the ``recent`` last tokens (plus every token generated since the
-    last refresh). K is ``k_head`` tokens, or ``k_fraction`` of the context when that is given
-    (then ``k_head`` must be left at None). ``overlap_selection`` runs the Selector and the
-    compact rebuild on a CUDA side stream (METHOD.md section 4); it has no effect on CPU.
-
-    Beyond METHOD.md, for retrieval (on by default; each off at its neutral value in the paper
-    preset, which also turns soft-NMS back on):
-    ``pool_kernel``/``pool`` pool the Selector's evidence along positions (a needle's span ranks
-    with its peak); ``page_size`` selects whole pages of that many tokens (aligned at position
-    0) ranked by their best token; ``pin_fraction`` of K is fixed by a sequence's first
-    selection (the question's evidence) and never replaced by later refreshes; with
-    ``hysteresis`` h a position selected before stays while it still ranks within the top
-    (1 + h) K; the first ``dense_layers`` layers always attend densely (as Quest and
-    TidalDecode keep them: their attention is too broad to select from). With
-    ``coverage_layers`` n > 0, n probe layers check at every fast step the ``coverage_top``
-    pages outside the fast memory that the query bounds highest (per-page min/max keys, as
-    Quest): when they would take more than ``coverage_threshold`` of the attention, the next
-    step refreshes (reason ``coverage``), at most every ``coverage_gap`` steps
-    (``sfi.coverage``).
+    A fast step attends, per (layer, KV head), to ``sink`` first tokens, K tokens selected from
+    the middle region (``k_head``, or ``k_fraction`` of the context) and the ``recent`` last
+    ones. Each field is documented where it is declared below; ``docs/configuration.md`` is
+    generated from those docs (:func:`sfi.config_doc.reference`). The fields beyond METHOD.md
+    (pooled evidence, pages, pins, hysteresis, dense layers, coverage probes) are at their
+    neutral value in the paper preset, which also turns soft-NMS back on.
     """
 
     # --- memory of a fast step (METHOD.md section 2) ---
     sink: int = 4
+    """S: the first tokens of a sequence, attended at every step."""
     recent: int = 256
+    """R: the last tokens, attended in place (plus every token generated since the last
+    refresh)."""
     k_head: int | None = 2048
+    """K: the tokens selected from the middle region per (layer, sequence, KV head); None when
+    ``k_fraction`` gives K instead."""
     k_fraction: float | None = None
+    """K as a fraction of the context (in (0, 1]); set ``k_head`` to None to use it."""
     evidence_window: int = 16
+    """W: the prompt's last queries whose attention makes the first selection."""
     force_sparse: bool = False
+    """Keep slow/fast steps even when the context is shorter than S + K + R (dense
+    otherwise: there is nothing to save)."""
     overlap_selection: bool = True
+    """On CUDA, run the Selector and the compact rebuild on a side stream; a row whose rebuild
+    is not ready reads densely. No effect on CPU."""
 
     # --- slow-step triggers ---
     trigger: TriggerPolicy = "sentence"
+    """What makes a slow step: ``sentence`` (the first token of a new sentence), ``fixed``
+    (every ``period`` steps), ``random`` (seeded periods), ``bootstrap`` (the first selection
+    only)."""
     refresh_interval: int = 96
+    """Reuse budget: a refresh is forced after this many steps since the last one."""
     min_refresh_gap: int = 16
+    """Sentence triggers closer than this many steps to the last refresh are ignored."""
     period: int = 32
+    """Steps between refreshes of the ``fixed`` trigger."""
     random_period_min: int = 16
+    """Shortest period of the ``random`` trigger."""
     random_period_max: int = 96
+    """Longest period of the ``random`` trigger."""
     seed: int = 0
+    """Seed of the ``random`` trigger."""
 
     # --- the Selector (METHOD.md section 3) ---
     alpha: float = 0.5
+    """Power of the mean that pools the evidence rows (0 would be the geometric mean)."""
     gamma: float = 0.5
+    """Key-norm prior: weight of -log ||k_i||."""
     w_norm: float = 1.0
+    """Weight of the key-norm term in the prior."""
     w_pos: float = 0.7
+    """Weight of the positional term in the prior."""
     pos_power: float = 1.8
+    """p of the positional prior's -beta * u^p."""
     eta: float = 0.4
+    """Weight of the positional prior's log(1 - u)."""
     beta: float = DEFAULT_BETA
+    """beta of the positional prior (-ln(0.6) / 0.9)."""
     lambda_cap_single: float = 0.35
+    """Clip of the fusion weight lambda* with one evidence row (0 = pure evidence)."""
     lambda_cap_multi: float = 0.25
+    """Clip of the fusion weight lambda* with several evidence rows."""
     nms_radius: int = 16
-    nms_strength: float = 0.0  # METHOD.md: 1.0; off by default (docs/eval: it drops needles)
+    """Soft-NMS: positions on each side compared with a candidate."""
+    nms_strength: float = 0.0
+    """Soft-NMS: how hard a near-duplicate of a neighbour is pushed down (METHOD.md: 1.0; off
+    by default, since it pushes down a needle's neighbours)."""
     exclusivity_temperature: float = 2.0
+    """Cross-head exclusivity: temperature of the softmax over KV heads."""
     exclusivity_strength: float = 0.85
+    """Cross-head exclusivity: weight of log rho (0 = off)."""
     exclusivity_min_heads: int = 3
+    """Cross-head exclusivity applies to layers with at least this many KV heads."""
 
     # --- retrieval-safe selection (beyond METHOD.md; measured in docs/eval) ---
     pool_kernel: int = 9
+    """Evidence pooled along positions over this many (odd; 1 = off), so that a needle's
+    span ranks with its peak."""
     pool: PoolMode = "max"
+    """How the evidence is pooled: ``max`` or ``avg``."""
     page_size: int = 16
+    """Select whole pages of this many tokens (pages start at each sequence's first token),
+    ranked by their best token (1 = single tokens)."""
     pin_fraction: float = 0.0
+    """Part of K fixed by a sequence's first selection (the question's evidence) and kept by
+    every later refresh."""
     hysteresis: float = 0.0
+    """A position selected before stays while it ranks within the top (1 + h) K."""
     dense_layers: int = 0
+    """The first layers always attend densely (as Quest and TidalDecode keep them)."""
     coverage_layers: int = 8
+    """Coverage probes: how many layers check at each fast step whether the memory misses
+    attention (0 = off)."""
     coverage_top: int = 2
+    """Coverage probes: pages outside the memory that each probe reads, those the query
+    bounds highest (per-page min/max keys, as Quest)."""
     coverage_threshold: float = 0.1
+    """Coverage probes: the share of the attention those pages may take before the next step
+    refreshes (reason ``coverage``)."""
     coverage_gap: int = 2
+    """Coverage probes: at most one coverage refresh every this many steps."""
 
     def __post_init__(self) -> None:
         _require_int("sink", self.sink, 0)
