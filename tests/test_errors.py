@@ -14,6 +14,7 @@ from sfi import (
     SFIError,
     UnsupportedModelError,
 )
+from sfi.hf import cache_argument
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -95,7 +96,7 @@ def test_right_padding_is_refused(tiny_llama_with_tokenizer):
     ids = torch.ones(2, 5, dtype=torch.long)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     with pytest.raises(SFIError, match="left padding only"):
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, **{cache_argument(model): cache})
 
 
 def test_config_must_be_an_sficonfig(tiny_llama_with_tokenizer):
@@ -108,6 +109,7 @@ def test_a_forward_that_skips_the_planning_hook_is_refused(tiny_llama_with_token
     model, _ = tiny_llama_with_tokenizer
     cache = sfi.SlowFastCache(model, SFIConfig(trigger="fixed"))
     ids = torch.ones(1, 5, dtype=torch.long)
-    model(input_ids=ids, past_key_values=cache)
+    model(input_ids=ids, **{cache_argument(model): cache})
     with pytest.raises(SFIError, match="not planned for this forward pass"):
-        model.model(input_ids=ids[:, :1], past_key_values=cache)  # the inner model: no hook
+        inner = model.model  # the inner model: no planning hook
+        inner(input_ids=ids[:, :1], **{cache_argument(inner): cache})

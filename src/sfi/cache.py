@@ -35,9 +35,10 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 class SlowFastCache(Cache):
     """A transformers ``Cache`` that decodes with Slow-Fast Inference.
 
-    Use it as ``model.generate(**inputs, past_key_values=SlowFastCache(model, config))`` or
-    through :func:`sfi.generate`. One cache serves one batch, from prefill to the last token
-    (sequences can join with :meth:`merge` and leave with :meth:`keep`). The model is routed
+    Use it as ``model.generate(**inputs, cache=SlowFastCache(model, config))``
+    (``past_key_values=`` before transformers 5.24) or through :func:`sfi.generate`. One cache
+    serves one batch, from prefill to the last token (sequences can join with :meth:`merge`
+    and leave with :meth:`keep`). The model is routed
     through sfi while the cache lives, or until :meth:`close` (also ``with SlowFastCache(...)
     as cache:``).
 
