@@ -1,0 +1,5 @@
+"""``python -m sfi.cli``."""
+
+from sfi.cli import main
+
+main()

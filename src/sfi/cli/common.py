@@ -1,0 +1,56 @@
+"""What every command shares: the error console, loading a model, printing tables and
+progress."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+from rich.table import Table
+
+from sfi.cli_options import name_list
+from sfi.errors import SFIError
+from sfi.layout import WEIGHT_FORMATS
+
+err = Console(stderr=True)
+
+
+def load_model(model: str, quiet: bool, weights: str = "native"):
+    """``sfi.load(model)``, with a status line on the terminal unless ``quiet``."""
+    from sfi.models import load
+
+    if quiet:
+        return load(model, weights=weights)
+    with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s)"):
+        return load(model, weights=weights)
+
+
+def one_format(weights: str) -> str:
+    """The one weight format ``--weights`` names (a clear error otherwise)."""
+    formats = name_list("--weights", weights, WEIGHT_FORMATS)
+    if len(formats) != 1:
+        raise SFIError(f"--weights takes one format here, got {weights!r}")
+    return formats[0]
+
+
+def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]],
+                wide: bool = False) -> None:
+    """A rich table: the first column left-aligned, the others right-aligned."""
+    table = Table(title=title)
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=wide)
+    for row in rows:
+        table.add_row(*("-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+                        for v in row))
+    console = Console()
+    if wide:
+        console.width = max(console.width, 132)
+    console.print(table)
+
+
+def progress_bar() -> Progress:
+    """A transient progress display on stderr: spinner, description, bar, done/total."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    MofNCompleteColumn(), console=err, transient=True)
