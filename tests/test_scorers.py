@@ -8,7 +8,7 @@ from conftest import tiny_model
 from helpers import lockstep
 
 from sfi import SFIConfig, SFIError
-from sfi.scorers import Evidence
+from sfi.scorers import Evidence, key_norms_of, make_evidence
 from sfi.scorers.registry import make_scorer
 from sfi.scorers.snapkv import SnapKVScorer
 from sfi.scorers.tova import TOVAScorer
@@ -67,3 +67,25 @@ def test_scorers_drive_the_same_mechanics(name):
 def test_unknown_scorer():
     with pytest.raises(SFIError, match="unknown scorer 'h3o'"):
         make_scorer("h3o", SFIConfig())
+
+
+def test_make_evidence_is_the_one_builder():
+    """Key norms from the keys (a dim-major view reads the same), candidates from [lo, hi), the
+    keys kept only beside evidence queries."""
+    torch.manual_seed(0)
+    keys = torch.randn(2, 3, 10, 4)
+    logits = torch.randn(2, 3, 5, 10)
+    lo, hi = torch.tensor([2, 3]), torch.tensor([8, 6])
+    plain = make_evidence(logits, 0, lo, hi, keys=keys)
+    dim_major = keys.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) != 1
+    assert dim_major.stride(-1) != 1
+    torch.testing.assert_close(key_norms_of(dim_major), keys.norm(dim=-1))
+    torch.testing.assert_close(plain.key_norms, keys.norm(dim=-1))
+    assert plain.candidates[0].nonzero().flatten().tolist() == list(range(2, 8))
+    assert plain.candidates[1].nonzero().flatten().tolist() == [3, 4, 5]
+    assert plain.keys is None and plain.query is None
+    query = torch.randn(2, 3, 5, 4)
+    with_query = make_evidence(logits, 0, lo, hi, keys=keys, query=query, queries=5)
+    assert with_query.keys is keys and with_query.queries == 5
+    with pytest.raises(ValueError, match="needs keys or key_norms"):
+        make_evidence(logits, 0, lo, hi)

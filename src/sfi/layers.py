@@ -36,7 +36,7 @@ from sfi.overlap import StagedCompact
 from sfi.pages import page_bounds, page_count, page_shift
 from sfi.planner import Probe, SlowRows, StepPlan
 from sfi.rows import Rows
-from sfi.scorers import Evidence
+from sfi.scorers import Evidence, key_norms_of, make_evidence
 from sfi.selector import compact_slots, hysteresis_keep, selection_order
 
 _POSITIONAL = ("_keys", "_values", "_norms")  # [rows, H, positions, ...]
@@ -132,7 +132,7 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
             self._grow(end)
         self._keys[:, :, start:end] = key_states
         self._values[:, :, start:end] = value_states
-        self._norms[:, :, start:end] = torch.linalg.vector_norm(key_states.float(), dim=-1)
+        self._norms[:, :, start:end] = key_norms_of(key_states)
         self.length = end
         return self.keys, self.values
 
@@ -574,9 +574,9 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         self.settle(wait=True)  # a newer refresh supersedes a pending one
         key_norms = slow.rows.take(self.key_norms)
         cached_keys = slow.rows.take(self.keys) if query is not None else None
-        evidence = Evidence(logits=logits, key_norms=key_norms, candidates=slow.candidates,
-                            lo=slow.lo, hi=slow.hi, layer_idx=self.layer_idx, queries=queries,
-                            query=query, keys=cached_keys, pads=slow.pads)
+        evidence = make_evidence(logits, self.layer_idx, slow.lo, slow.hi, keys=cached_keys,
+                                 key_norms=key_norms, candidates=slow.candidates,
+                                 queries=queries, query=query, pads=slow.pads)
         previous = self._previous_selection(slow)
 
         def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

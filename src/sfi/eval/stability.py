@@ -27,7 +27,7 @@ from sfi.errors import SFIError
 from sfi.eviction.cache import EvictionCache
 from sfi.eviction.layer import EvictionLayer
 from sfi.planner import refresh_memory
-from sfi.scorers import Evidence
+from sfi.scorers import make_evidence
 from sfi.selector import SFISelector, top_k_positions
 from sfi.triggers import SentenceTrigger, make_trigger, observe, token_classes
 
@@ -108,10 +108,9 @@ class _Recorder:
         memory = (positions < lo) | (positions >= hi)
         memory = memory[None].expand(h, t).clone()
         if k > 0:
-            evidence = Evidence(logits=attention.clamp_min(1e-30).log(),
-                                key_norms=torch.linalg.vector_norm(layer.keys.float(), dim=-1),
-                                candidates=candidates, lo=torch.tensor([lo]),
-                                hi=torch.tensor([hi]), layer_idx=layer.layer_idx)
+            evidence = make_evidence(attention.clamp_min(1e-30).log(), layer.layer_idx,
+                                     torch.tensor([lo]), torch.tensor([hi]), keys=layer.keys,
+                                     candidates=candidates)
             chosen, _ = top_k_positions(self.selector.score(evidence), candidates,
                                         torch.tensor([k]), page=self.config.page_size)
             memory.scatter_(-1, chosen[0], True)

@@ -21,7 +21,7 @@ from sfi.attention import AttendingLayer
 from sfi.context import StepContext
 from sfi.errors import SFIError
 from sfi.kernels import additive_bias, causal_mask, dense_attention, window_logits
-from sfi.scorers import Evidence
+from sfi.scorers import Evidence, make_evidence
 
 Observer = Callable[["EvictionLayer", torch.Tensor], None]
 
@@ -124,11 +124,9 @@ class EvictionLayer(AttendingLayer, DynamicLayer):
         q = query[:, :, -w:]
         logits = window_logits(q, keys, additive_bias(causal_mask(t, w, keys.device)), scale,
                                softcap)
-        candidates = (torch.arange(t, device=keys.device) < t - w).expand(b, t)
-        return Evidence(logits=logits, key_norms=torch.linalg.vector_norm(keys.float(), dim=-1),
-                        candidates=candidates, lo=torch.zeros(b, dtype=torch.long),
-                        hi=torch.full((b,), t - w), layer_idx=self.layer_idx, queries=w,
-                        query=q.reshape(b, h, -1, d), keys=keys, history=self.history)
+        return make_evidence(logits, self.layer_idx, torch.zeros(b, dtype=torch.long),
+                             torch.full((b,), t - w), keys=keys, queries=w,
+                             query=q.reshape(b, h, -1, d), history=self.history)
 
     def decode(self, step: StepContext, q: torch.Tensor, scale: float,
                softcap: float | None) -> torch.Tensor:

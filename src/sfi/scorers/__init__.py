@@ -17,7 +17,8 @@ import torch
 
 @dataclass(frozen=True)
 class Evidence:
-    """What a slow step knows about one layer, for the sequences being refreshed.
+    """What a slow step knows about one layer, for the sequences being refreshed (made by
+    :func:`make_evidence`, in either engine).
 
     Shapes: B sequences, H KV heads, N evidence rows per KV head (G query heads x W queries),
     T cache positions.
@@ -67,6 +68,39 @@ class Evidence:
         """``[B, H, N, T]`` each row's softmax over the keys it may see (0 for a row that may
         see nothing)."""
         return torch.softmax(self.logits.float(), dim=-1).nan_to_num(0.0)
+
+
+def key_norms_of(keys: torch.Tensor) -> torch.Tensor:
+    """``[..., T]`` the L2 norm of each key of ``keys [..., T, D]`` (in float32; a transposed
+    view, dim-major as some paged layouts store keys, is summed along its D rows)."""
+    if keys.stride(-1) == 1:
+        return torch.linalg.vector_norm(keys.float(), dim=-1)
+    return torch.square(keys.transpose(-1, -2).float()).sum(dim=-2).sqrt_()
+
+
+def make_evidence(logits: torch.Tensor, layer_idx: int, lo: torch.Tensor, hi: torch.Tensor, *,
+                  keys: torch.Tensor | None = None, key_norms: torch.Tensor | None = None,
+                  candidates: torch.Tensor | None = None, queries: int = 1,
+                  query: torch.Tensor | None = None, history: torch.Tensor | None = None,
+                  pads: torch.Tensor | None = None) -> Evidence:
+    """The one way a slow step's :class:`Evidence` is made, in either engine.
+
+    ``key_norms [B, H, T]`` where the caller keeps them, else computed from ``keys
+    [B, H, T, D]``; ``candidates [B, T]`` where the caller has them, else the region
+    ``lo <= position < hi`` of each sequence. The keys travel with the evidence when there are
+    evidence queries (``query [B, H, N, D]``: scorers that bound q.k by pages need both).
+    """
+    if key_norms is None:
+        if keys is None:
+            raise ValueError("make_evidence needs keys or key_norms")
+        key_norms = key_norms_of(keys)
+    if candidates is None:
+        positions = torch.arange(logits.shape[-1], device=logits.device)
+        bounds = lo.to(positions.device)[:, None], hi.to(positions.device)[:, None]
+        candidates = (positions >= bounds[0]) & (positions < bounds[1])
+    return Evidence(logits=logits, key_norms=key_norms, candidates=candidates, lo=lo, hi=hi,
+                    layer_idx=layer_idx, queries=queries, query=query,
+                    keys=keys if query is not None else None, history=history, pads=pads)
 
 
 @runtime_checkable

@@ -24,7 +24,7 @@ import torch
 
 from sfi.kernels import additive_bias, attention_logits, causal_mask, window_logits
 from sfi.planner import Memory
-from sfi.scorers import Evidence, Scorer
+from sfi.scorers import Scorer, make_evidence
 from sfi.selector import compact_slots, selection_order
 
 KeyLayout = None | str | torch.Tensor
@@ -207,18 +207,11 @@ def select_positions(scorer: Scorer, memory: Memory, layer_idx: int, page: int,
     else:  # the prompt's last W queries, each seeing the keys up to itself
         bias = additive_bias(causal_mask(t, w, device))
         logits = window_logits(q, keys[None], bias, scale, softcap)  # [1, H, G * W, T]
-    positions = torch.arange(t, device=device)
     lo = torch.tensor([memory.sink_end], device=device)
     hi = torch.tensor([memory.recent_start], device=device)
-    candidates = (positions >= lo) & (positions < hi)
-    if keys.stride(-1) == 1:
-        norms = torch.linalg.vector_norm(keys.float(), dim=-1)
-    else:  # a transposed view (dim-major blocks): sum the squares along the D rows
-        norms = torch.square(keys.transpose(-1, -2).float()).sum(dim=-2).sqrt_()
-    evidence = Evidence(
-        logits=logits, key_norms=norms[None],
-        candidates=candidates[None], lo=lo, hi=hi, layer_idx=layer_idx, queries=w,
-        query=q.reshape(1, h, -1, d), keys=keys[None])
+    evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys[None], queries=w,
+                             query=q.reshape(1, h, -1, d))
     k = torch.tensor([memory.k], device=device)
-    order, valid = selection_order(scorer.score(evidence), candidates[None], k, page)
-    return compact_slots(order, valid, candidates[None], torch.zeros_like(k))[0]
+    candidates = evidence.candidates
+    order, valid = selection_order(scorer.score(evidence), candidates, k, page)
+    return compact_slots(order, valid, candidates, torch.zeros_like(k))[0]
