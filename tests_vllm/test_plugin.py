@@ -30,12 +30,27 @@ def stats():
 
 
 def test_the_backend_is_installed(smol):
+    """Every stock backend of this platform that vLLM can import (CPU_ATTN here; FLASH_ATTN and
+    TRITON_ATTN on CUDA) resolves to SFI's wrapper of it."""
+    import importlib
     from importlib.metadata import entry_points
 
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     assert any(e.value == "sfi.vllm:register" for e in entry_points(group="vllm.general_plugins"))
-    assert AttentionBackendEnum.CPU_ATTN.get_class() is backend.SFICPUAttentionBackend
+    platform = "cpu" if current_platform.is_cpu() else "cuda"
+    wrapped = []
+    for name, module, stock_name, _, _ in backend.WRAPPED[platform]:
+        try:
+            stock = getattr(importlib.import_module(module), stock_name)
+        except ImportError:  # a kernel this build lacks: vLLM cannot pick it either
+            continue
+        chosen = AttentionBackendEnum[name].get_class()
+        assert chosen.__module__ == backend.__name__ and issubclass(chosen, stock), name
+        assert chosen is getattr(backend, f"SFI{stock_name}")
+        wrapped.append(name)
+    assert wrapped, f"no {platform} attention backend was wrapped"
 
 
 def test_a_budget_covering_the_context_reproduces_stock_vllm(smol, essay_prompts):
