@@ -16,6 +16,7 @@ import sfi
 from sfi.cache import SlowFastCache
 from sfi.decode import decode_one, prefill, prompt_chunks
 from sfi.errors import SFIError
+from sfi.methods import build_cache
 
 
 @pytest.mark.parametrize("length, chunk, window", [
@@ -182,3 +183,31 @@ def test_prefill_keeps_the_callers_chunking(tiny):
     assert cache.prompt_continues is True
     with pytest.raises(SFIError, match="holds no selection"):
         cache.selected_positions(0, 0)  # no chunk made the first selection
+
+
+def test_prefill_restores_the_flag_after_a_failed_chunk(tiny):
+    model, tok = tiny
+    cache = SlowFastCache(model, sfi.SFIConfig(sink=2, recent=16, k_head=40, force_sparse=True),
+                          tokenizer=tok, max_cache_len=200)
+
+    def fail(done: int, total: int) -> None:
+        raise RuntimeError("out of memory, say")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        prefill(model, cache, torch.randint(5, 2000, (1, 100)), start=0, chunk=32,
+                on_progress=fail)
+    assert cache.prompt_continues is False  # a later forward still makes the first selection
+
+
+def test_prefill_refuses_what_chunks_cannot_do(tiny):
+    model, tok = tiny
+    ids = torch.randint(5, 2000, (2, 100))
+    with pytest.raises(SFIError, match="prefill it in one forward"):
+        prefill(model, build_cache(model, tok, "snapkv", budget=0.5, context=100), ids[:1],
+                start=0, chunk=32)
+    mask = torch.ones(2, 100, dtype=torch.long)
+    mask[1] = 0
+    with pytest.raises(SFIError, match="all padding"):
+        prefill(model, build_cache(model, tok, "full"), ids, attention_mask=mask, chunk=32)
+    with pytest.raises(SFIError, match="no tokens"):
+        prefill(model, build_cache(model, tok, "full"), ids[:, :0])

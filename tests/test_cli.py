@@ -42,6 +42,7 @@ def test_generate_json_schema_both_modes(default_model):  # the fixture converts
     (["--prompt", "hi", "--model", "nope"], "unknown model 'nope'"),
     ([], "give exactly one of --prompt TEXT or --prompt-file FILE"),
     (["--prompt", "hi", "--set", "alpha=abc"], "not a valid value"),
+    (["--prompt", "hi", "--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"),
 ])
 def test_generate_bad_input_exits_with_a_message(args, message):
     result = run_cli("generate", *args)

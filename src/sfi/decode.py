@@ -62,31 +62,46 @@ def prefill(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *,
     With ``chunk`` the tokens go in forwards of at most that many (the last one at least SFI's
     evidence window, so that the first selection sees as many queries as in one forward; the
     first at least as long as the longest left padding, so that every row has a real token in
-    it), and ``on_progress(done, total)`` is called after each."""
+    it), and ``on_progress(done, total)`` is called after each. Chunks suit SFI's cache and
+    transformers' dense caches; the eviction baselines, which compress after each prefill
+    forward, are refused."""
     if positions is None and start is not None:
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)
         positions = positions[None].expand(ids.shape[0], -1)
+    length = ids.shape[1]
+    if length == 0:
+        raise PromptError("prefill got no tokens")
     config = getattr(cache, "config", None)
     window = config.evidence_window if isinstance(config, SFIConfig) else 1
-    bounds = prompt_chunks(ids.shape[1], chunk, window)
-    past = attention_mask.shape[1] - ids.shape[1] if attention_mask is not None else 0
-    if attention_mask is not None and len(bounds) > 2:
-        # every row needs a real token in the first chunk (a left-padded row's padding all in it)
-        padding = int((attention_mask[:, past:] == 0).sum(dim=-1).max())
-        bounds = [0, *(b for b in bounds[1:] if b > padding)]
-    continues = getattr(cache, "prompt_continues", None)  # the caller's own chunking, if any
-    for begin, end in itertools.pairwise(bounds):
-        kwargs: dict[str, Any] = {}
-        if positions is not None:
-            kwargs["position_ids"] = positions[:, begin:end]
+    bounds = prompt_chunks(length, chunk, window)
+    past = attention_mask.shape[1] - length if attention_mask is not None else 0
+    if len(bounds) > 2:
+        if getattr(cache, "compresses_after_prefill", False):
+            raise SFIError(f"{type(cache).__name__} compresses its cache after each prefill "
+                           "forward: prefill it in one forward (no chunk)")
         if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask[:, :past + end]
+            # every row needs a real token in the first chunk (a left-padded row's padding)
+            padding = int((attention_mask[:, past:] == 0).sum(dim=-1).max())
+            if padding >= length:
+                raise PromptError("a sequence of the batch is all padding (empty prompt)")
+            bounds = [0, *(b for b in bounds[1:] if b > padding)]
+    continues = getattr(cache, "prompt_continues", None)  # the caller's own chunking, if any
+    try:
+        for begin, end in itertools.pairwise(bounds):
+            kwargs: dict[str, Any] = {}
+            if positions is not None:
+                kwargs["position_ids"] = positions[:, begin:end]
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask[:, :past + end]
+            if continues is not None:
+                cache.prompt_continues = end < length or continues
+            out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1,
+                        **{cache_argument(model): cache}, **kwargs)
+            if on_progress is not None:
+                on_progress(end, length)
+    finally:
         if continues is not None:
-            cache.prompt_continues = end < ids.shape[1] or continues
-        out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1,
-                    **{cache_argument(model): cache}, **kwargs)
-        if on_progress is not None:
-            on_progress(end, ids.shape[1])
+            cache.prompt_continues = continues  # as the caller set it, even after a failure
     return out.logits[:, -1]
 
 

@@ -58,14 +58,13 @@ class _StreamPrinter:
 
 def _generate(model, tokenizer, prompt: str, quiet: bool, label: str, stream: bool = False,
               **kwargs: Any):
-    """``sfi.generate`` with the prompt prefilled in chunks: their progress and then the
-    decode's (or, with ``stream``, the text itself) shown on the terminal unless ``quiet``."""
-    from sfi.decode import PREFILL_CHUNK, generate
+    """``sfi.generate``, showing on the terminal unless ``quiet`` the prefill's progress (by
+    chunk, with ``prefill_chunk``) and then the decode's, or with ``stream`` the text itself."""
+    from sfi.decode import generate
 
     printer = _StreamPrinter(tokenizer) if stream else None
     if quiet:
-        return generate(model, tokenizer, prompt, prefill_chunk=PREFILL_CHUNK, on_token=printer,
-                        **kwargs)
+        return generate(model, tokenizer, prompt, on_token=printer, **kwargs)
     progress = progress_bar()
     reading = progress.add_task("reading the prompt (tokens)", total=None)
     decoding = None if stream else progress.add_task(label, total=kwargs["max_new_tokens"],
@@ -87,8 +86,8 @@ def _generate(model, tokenizer, prompt: str, quiet: bool, label: str, stream: bo
             progress.advance(decoding)
 
     with progress:
-        result = generate(model, tokenizer, prompt, prefill_chunk=PREFILL_CHUNK,
-                          on_token=on_token, on_prefill=on_prefill, **kwargs)
+        result = generate(model, tokenizer, prompt, on_token=on_token, on_prefill=on_prefill,
+                          **kwargs)
     if printer is not None:
         printer.finish(result.text)
     return result
@@ -108,6 +107,8 @@ def generate_cmd(
     seed: Annotated[int | None, typer.Option(help="sampling seed")] = None,
     stream: Annotated[bool, typer.Option("--stream", help="print the text as it is decoded")]
         = False,
+    prefill_chunk: Annotated[int, typer.Option(help="prefill the prompt in forwards of this "
+                                               "many tokens (0: one forward)")] = 512,
     weights: WeightsOpt = "native",
     as_json: JsonOpt = False,
 ) -> None:
@@ -116,6 +117,8 @@ def generate_cmd(
         raise SFIError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if prompt_file is not None and not prompt_file.is_file():
         raise SFIError(f"prompt file {prompt_file} does not exist")
+    if prefill_chunk < 0:
+        raise SFIError(f"--prefill-chunk must be >= 0 (0: one forward), got {prefill_chunk}")
     if stream and as_json:
         raise SFIError("--stream prints the text as it comes and --json one object at the end: "
                        "choose one")
@@ -127,7 +130,8 @@ def generate_cmd(
     loaded_model, tokenizer = load_model(model, as_json, weights=one_format(weights))
     result = _generate(loaded_model, tokenizer, text, as_json, f"decoding ({mode})",
                        stream=stream, config=config, max_new_tokens=max_new_tokens, mode=mode,
-                       chat=chat, temperature=temperature, top_p=top_p, seed=seed)
+                       chat=chat, temperature=temperature, top_p=top_p, seed=seed,
+                       prefill_chunk=prefill_chunk or None)
     if as_json:
         print(json.dumps({"model": model, **result.to_dict()}))
         return
@@ -176,8 +180,9 @@ def _print_demo(result) -> None:
     """Both questions' answers side by side, then the speed-up on the longer answer."""
     console = Console()
     sample = result.sample
-    console.print(f"[bold]Document:[/bold] {sample.context} tokens of essays, read once in "
-                  f"{result.prefill_s:.0f} s and shared by every answer below. Hidden at "
+    console.print(f"[bold]Document:[/bold] {sample.context} tokens of essays; the "
+                  f"{result.prefill_tokens} both questions share were prefilled once "
+                  f"({result.prefill_s:.0f} s) and continued by every answer below. Hidden at "
                   f"{sample.depths[0]:.0%} of it: [italic]{result.hidden}[/italic]")
     sides = ("full attention", "SFI (default preset)")
 
@@ -202,7 +207,8 @@ def _print_demo(result) -> None:
     console.print(table({"answer": [a.text.strip() for a in longer]}, label=False))
     console.print(table({
         "tokens": [str(len(a.token_ids)) for a in longer],
-        "context read per step": [f"{100 * a.read_fraction:.0f}%" for a in longer],
+        "context read per step (slow: all)": [f"{100 * a.read_fraction:.0f}%"
+                                              for a in longer],
         "steps": [f"slow {a.stats.slow_steps} / fast {a.stats.fast_steps} / dense "
                   f"{a.stats.dense_steps}" for a in longer],
         "time": [f"{a.seconds:.1f} s" for a in longer],

@@ -32,6 +32,8 @@ class EvictionCache(Cache):
             every layer (for analyses).
     """
 
+    compresses_after_prefill = True  # each prefill forward ends in the policy's eviction
+
     def __init__(self, model: torch.nn.Module, policy: Policy | None = None,
                  track_attention: bool | None = None, observer: Observer | None = None):
         config = text_config(model)
