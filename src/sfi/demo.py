@@ -60,7 +60,7 @@ class Answer:
     @property
     def read_fraction(self) -> float:
         """Mean fraction of the context the decode steps read (slow and dense steps: all)."""
-        return 1.0 if self.mode == "full" else self.stats.read_fraction
+        return self.stats.read_fraction
 
 
 @dataclass
@@ -98,12 +98,8 @@ class DemoResult:
     @property
     def agreeing_tokens(self) -> int:
         """How many first tokens of the longer answer the two sides share."""
-        same = 0
-        for a, b in zip(self.explanation["full"].token_ids, self.explanation["sfi"].token_ids):
-            if a != b:
-                break
-            same += 1
-        return same
+        return _common_prefix(self.explanation["full"].token_ids,
+                              self.explanation["sfi"].token_ids)
 
 
 @torch.inference_mode()
@@ -163,12 +159,12 @@ def run_demo(model: torch.nn.Module, tokenizer: Any, *, context: int = 7500, see
 def _shared_length(a: list[int], b: list[int], window: int) -> int:
     """The tokens both prompts start with, less enough that each keeps at least ``window``
     of its own (the queries of SFI's first selection)."""
-    common = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        common += 1
-    shared = min(common, len(a) - window, len(b) - window)
+    shared = min(_common_prefix(a, b), len(a) - window, len(b) - window)
     if shared < 1:
         raise SFIError("the demo's two prompts share no document tokens to prefill once")
     return shared
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
