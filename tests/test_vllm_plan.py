@@ -12,8 +12,8 @@ import torch
 import sfi
 from sfi import SFIConfig
 from sfi.errors import SFIConfigError
-from sfi.planner import refresh_memory
 from sfi.scorers.registry import make_scorer
+from sfi.sequence import refresh_memory
 from sfi.triggers import token_classes
 from sfi.vllm.paged import (
     BLOCKS,

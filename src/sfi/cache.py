@@ -23,9 +23,10 @@ from sfi.errors import SFIError, UnsupportedModelError
 from sfi.hf import RoutingLease, text_config
 from sfi.layers import SlowFastLayer
 from sfi.overlap import Rebuilder, make_rebuilder
-from sfi.planner import Memory, Planner, StepPlan, TriggerFactory
+from sfi.planner import Planner, StepPlan, TriggerFactory
 from sfi.scorers import Scorer
 from sfi.selector import SFISelector
+from sfi.sequence import Memory
 from sfi.stats import DecodeStats
 from sfi.triggers import make_trigger, token_classes
 

@@ -33,11 +33,11 @@ from sfi.coverage import missing_rows, unheld_pages
 from sfi.errors import SFIError
 from sfi.kernels import dense_attention, fast_attention, window_logits
 from sfi.overlap import StagedCompact
-from sfi.pages import page_bounds, page_count, page_shift
+from sfi.pages import page_bounds, page_count
 from sfi.planner import Probe, SlowRows, StepPlan
 from sfi.rows import Rows
-from sfi.scorers import Evidence, key_norms_of, make_evidence
-from sfi.selector import compact_slots, hysteresis_keep, selection_order
+from sfi.scorers import key_norms_of, make_evidence
+from sfi.selection import PreviousSelection, previous_selection, select_groups
 
 _POSITIONAL = ("_keys", "_values", "_norms")  # [rows, H, positions, ...]
 _COMPACT = ("compact_keys", "compact_values", "compact_positions")  # [rows, H, C, ...]
@@ -580,67 +580,21 @@ class SlowFastLayer(AttendingLayer, CacheLayerMixin):
         previous = self._previous_selection(slow)
 
         def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return self.pack(slow, select_rows(slow, evidence, previous))
+            selected = select_groups(slow.groups, evidence, slow.k, slow.pins, previous)
+            return self.pack(slow, selected)
 
         inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sinks,
                   slow.sink_positions, self._keys, self._values]
-        inputs += [t for t in (query, cached_keys, *previous) if t is not None]
+        held = (previous.selected, previous.pinned) if previous is not None else ()
+        inputs += [t for t in (query, cached_keys, *held) if t is not None]
         self.pending = step.rebuilder.submit(slow.rows, rebuild, inputs, step.plan.compact_width)
         self.settle()
 
-    def _previous_selection(self, slow: SlowRows
-                            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(selected, pinned)``, each ``[n, H, T]`` bool or None: the positions the rows'
-        current memories hold, and those of them that are pinned (kept by every refresh)."""
-        pinned_rows = slow.pins * (~slow.pinning)
-        wants_previous = any(g.hysteresis > 0 for g in slow.groups)
-        if self.compact_positions is None or not (wants_previous or bool(pinned_rows.any())):
-            return None, None
-        n, t = len(slow.rows), slow.candidates.shape[-1]
-        current = slow.rows.take(self.compact_positions)  # [n, H, C]
-        slot = torch.arange(current.shape[-1], device=self.device)[None, None, :]
-        start = slow.sinks[:, None, None]
-
-        def mask(count: torch.Tensor) -> torch.Tensor:
-            held = (slot >= start) & (slot < start + count[:, None, None])
-            out = torch.zeros(n, current.shape[1], t + 1, dtype=torch.bool, device=self.device)
-            out.scatter_(-1, torch.where(held, current.clamp(max=t - 1), t), True)
-            return out[..., :t]
-
-        selected = mask(slow.previous_k) if wants_previous else None
-        pinned = mask(pinned_rows) if bool(pinned_rows.any()) else None
-        return selected, pinned
-
-
-def select_rows(slow: SlowRows, evidence: Evidence,
-                previous: tuple[torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
-    """``[n, H, k_max]`` the compact slots of the slow rows: each row scored by its own
-    sequence's scorer and selected by its rule (pages, hysteresis), its pinned positions kept
-    (and listed first)."""
-    selected, pinned = previous
-    slots = None
-    for group in slow.groups:
-        part = evidence if group.rows is None else evidence.subset(group.rows.index)
-
-        def local(t: torch.Tensor | None, group=group) -> torch.Tensor | None:
-            return t if t is None or group.rows is None else group.rows.take(t)
-
-        k = local(slow.k)
-        scores = group.scorer.score(part)
-        shift = None
-        if group.page > 1 and slow.pads is not None:
-            shift = page_shift(local(slow.pads), group.page)
-        keep = None
-        if group.hysteresis > 0 and selected is not None:
-            keep = hysteresis_keep(scores, part.candidates, k, local(selected),
-                                   group.hysteresis, group.page, shift)
-        order, valid = selection_order(scores, part.candidates, k, group.page, keep,
-                                       local(pinned), shift)
-        chosen = compact_slots(order, valid, part.candidates, local(slow.pins))
-        if group.rows is None:
-            return chosen
-        if slots is None:
-            width = int(slow.k.max())
-            slots = chosen.new_zeros(len(slow.rows), chosen.shape[1], width)
-        group.rows.put(slots[..., : chosen.shape[-1]], chosen)
-    return slots
+    def _previous_selection(self, slow: SlowRows) -> PreviousSelection | None:
+        """What the rows' current memories hold (for hysteresis and pins), or None."""
+        if self.compact_positions is None:
+            return None
+        return previous_selection(
+            slow.rows.take(self.compact_positions), slow.sinks, slow.previous_k,
+            slow.pins * (~slow.pinning), slow.candidates.shape[-1],
+            hysteresis=any(g.rule.hysteresis > 0 for g in slow.groups))

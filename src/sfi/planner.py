@@ -1,4 +1,7 @@
-"""Per-sequence state and the planner that decides what each forward pass does.
+"""The transformers path's batch plan: what each forward pass does, for every row of a batch.
+
+The sequence policy (memories, decisions, what a step records) is :mod:`sfi.sequence`, shared
+with the vLLM plugin; this module turns it into the tensors a padded batch needs.
 
 Before a forward pass, :meth:`Planner.plan` turns the sequences' state and the new input tokens
 into a frozen :class:`StepPlan`: which rows attend densely (short contexts, prefill without a
@@ -14,9 +17,8 @@ C compact slots (sink + selected) per KV head.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,105 +27,21 @@ from sfi.coverage import DEFAULT_PAGE, probe_layers
 from sfi.kernels import additive_bias, causal_mask
 from sfi.rows import Rows
 from sfi.scorers import Scorer
-from sfi.stats import DecodeStats
-from sfi.triggers import BOOTSTRAP, COVERAGE, RefreshTrigger
-
-DENSE, SLOW, FAST, LAGGED = "dense", "slow", "fast", "lagged"
-STEP_KINDS: tuple[str, ...] = (DENSE, SLOW, FAST, LAGGED)
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Where one sequence's fast memory lies after a refresh (cache positions).
-
-    Sinks are ``[pad, sink_end)``, the middle region ``[sink_end, recent_start)`` (from which
-    ``k`` positions per KV head are selected), the recent window ``[recent_start, T)`` (it
-    grows by one position per step until the next refresh). ``sink`` is the sequence's S (the
-    compact slots before the selected ones).
-    """
-
-    pad: int
-    sink: int
-    sink_end: int
-    recent_start: int
-    k: int
-    pinned: int = 0
-
-    @property
-    def sink_count(self) -> int:
-        return self.sink_end - self.pad
-
-    def read(self, total: int) -> int:
-        """Entries a fast step at cache length ``total`` reads per KV head."""
-        return self.sink_count + self.k + total - self.recent_start
-
-
-def refresh_memory(total: int, pad: int, sink: int, recent: int, budget: int) -> Memory:
-    """The memory of a refresh at cache length ``total`` for a sequence whose real tokens start
-    at ``pad``: S sinks, the last R tokens, and ``min(budget, middle length)`` selected."""
-    recent_start = max(total - recent, pad)
-    sink_end = min(pad + sink, recent_start)
-    return Memory(pad=pad, sink=sink, sink_end=sink_end, recent_start=recent_start,
-                  k=min(budget, recent_start - sink_end))
-
-
-def next_memory(seq: SequenceState, total: int) -> Memory:
-    """The memory of ``seq`` refreshed at cache length ``total``: the geometry of
-    :func:`refresh_memory`, and the positions it keeps pinned (``pin_fraction`` of its first
-    selection's K, kept by every later refresh)."""
-    c = seq.config
-    memory = refresh_memory(total, seq.pad, c.sink, c.recent, c.budget(total - seq.pad))
-    if seq.memory is None:
-        pinned = math.floor(c.pin_fraction * memory.k)
-    else:
-        pinned = min(seq.memory.pinned, memory.k)
-    return replace(memory, pinned=pinned)
-
-
-@dataclass
-class SequenceState:
-    """What one sequence carries between steps: its config, trigger, scorer, selection and
-    counters. ``memory`` is None until its first selection."""
-
-    pad: int
-    config: SFIConfig
-    trigger: RefreshTrigger
-    scorer: Scorer
-    dense_only: bool = False
-    stats: DecodeStats = field(default_factory=DecodeStats)
-    steps_since_refresh: int = 0
-    memory: Memory | None = None
-    coverage_miss: bool = False
-
-
-def decode_decision(seq: SequenceState, token: int | None, total: int) -> tuple[str, str | None]:
-    """What a decode step of ``seq`` at cache length ``total`` does, before it runs:
-    ``(kind, refresh reason)``. Dense while sparse decoding does not pay (or for a full-attention
-    sequence); slow without a memory (``bootstrap``), when the trigger fires on ``token`` (None:
-    not observed), or after a coverage miss once ``coverage_gap`` steps have passed; else fast.
-    Shared by :class:`Planner` and the vLLM plugin's per-request book."""
-    if seq.dense_only or not seq.config.sparse_pays(total - seq.pad):
-        return DENSE, None
-    steps = seq.steps_since_refresh + 1
-    fired = seq.trigger.decide(token, steps) if token is not None else None
-    if seq.memory is None:
-        return SLOW, BOOTSTRAP
-    if fired is not None:
-        return SLOW, fired
-    if seq.coverage_miss and steps >= seq.config.coverage_gap:
-        return SLOW, COVERAGE
-    return FAST, None
-
-
-@dataclass(frozen=True)
-class SelectionGroup:
-    """Slow rows that share a scorer and a selection rule (page size, hysteresis); ``rows``
-    index into the slow rows (None: all of them)."""
-
-    scorer: Scorer
-    page: int
-    hysteresis: float
-    rows: Rows | None
+from sfi.selection import SelectionGroup, SelectionRule
+from sfi.sequence import (
+    DENSE,
+    FAST,
+    LAGGED,
+    SLOW,
+    Memory,
+    SequenceState,
+    decode_decision,
+    fast_read_fraction,
+    next_memory,
+    record_step,
+    sparse_pays,
+)
+from sfi.triggers import BOOTSTRAP, RefreshTrigger
 
 
 @dataclass(frozen=True)
@@ -301,8 +219,7 @@ class Planner:
             if decode:
                 kind, reason = decode_decision(seq, token, total)
             else:
-                pays = not seq.dense_only and seq.config.sparse_pays(total - seq.pad)
-                kind = SLOW if pays and select else DENSE
+                kind = SLOW if sparse_pays(seq, total) and select else DENSE
                 reason = BOOTSTRAP if kind == SLOW else None
             kinds.append(kind)
             reasons.append(reason)
@@ -443,35 +360,14 @@ class Planner:
         slow_memories = dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow \
             else {}
         for row, (seq, kind) in enumerate(zip(self.sequences, plan.kinds)):
-            if plan.decode:
-                steps = seq.steps_since_refresh + 1
-                token = plan.tokens[row]
-                if token is not None:
-                    seq.trigger.advance(token, steps)
-                seq.steps_since_refresh = steps
-            if kind == SLOW:
-                seq.memory = slow_memories[row]
-                seq.steps_since_refresh = 0
-                seq.stats.refresh_reasons[plan.reasons[row]] += 1
-                seq.coverage_miss = False
-            elif row in missed:
+            read = None
+            if plan.decode and kind == FAST:
+                read = fast_read_fraction(seq, plan.total_length, layers, lagged.get(row, 0))
+            record_step(seq, kind, decode=plan.decode, token=plan.tokens[row],
+                        memory=slow_memories.get(row), reason=plan.reasons[row], read=read,
+                        lagged=row in lagged)
+            if kind != SLOW and row in missed:
                 seq.coverage_miss = True
-            if not plan.decode:
-                continue
-            context = plan.total_length - seq.pad
-            if kind == DENSE:
-                seq.stats.dense_steps += 1
-            elif kind == SLOW:
-                seq.stats.slow_steps += 1
-            else:
-                dense = sum(i < seq.config.dense_layers for i in layers) + lagged.get(row, 0)
-                read = seq.memory.read(plan.total_length) / context
-                if dense:
-                    read = (dense + (len(layers) - dense) * read) / len(layers)
-                if row in lagged:
-                    seq.stats.record_lagged_step(read)
-                else:
-                    seq.stats.record_fast_step(read)
         self.compact_width = plan.compact_width
 
     def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:
@@ -506,11 +402,11 @@ class Planner:
 def _selection_groups(seqs: Sequence[SequenceState], device: torch.device
                       ) -> tuple[SelectionGroup, ...]:
     """Group the slow rows by scorer object and selection rule: one group in the usual case."""
-    groups: dict[tuple[int, int, float], tuple[Scorer, list[int]]] = {}
+    groups: dict[tuple[int, SelectionRule], tuple[Scorer, list[int]]] = {}
     for local, seq in enumerate(seqs):
-        key = (id(seq.scorer), seq.config.page_size, seq.config.hysteresis)
-        groups.setdefault(key, (seq.scorer, []))[1].append(local)
+        rule = SelectionRule.of(seq.config)
+        groups.setdefault((id(seq.scorer), rule), (seq.scorer, []))[1].append(local)
     n = len(seqs)
-    return tuple(SelectionGroup(scorer, page, hysteresis,
+    return tuple(SelectionGroup(scorer, rule,
                                 None if len(rows) == n else Rows(tuple(rows), n, device))
-                 for (_, page, hysteresis), (scorer, rows) in groups.items())
+                 for (_, rule), (scorer, rows) in groups.items())

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from sfi.kernels import additive_bias, attention_logits, causal_mask, window_logits
-from sfi.planner import Memory
 from sfi.scorers import Scorer, make_evidence
 from sfi.selector import compact_slots, selection_order
+from sfi.sequence import Memory
 
 KeyLayout = None | str | torch.Tensor
 """How a kernel stores a block's ``bs * D`` key entries: None (``[bs, D]``), ``"dim-major"``

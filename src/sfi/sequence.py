@@ -1,0 +1,160 @@
+"""One sequence's slow-fast policy, engine-neutral: where its memory lies, what its next decode
+step does, and how a step's outcome is recorded.
+
+Both engines decide through these functions: the transformers path's :class:`sfi.planner.Planner`
+(a batch of padded rows) and the vLLM plugin's :class:`sfi.vllm.requests.RequestBook` (one
+request per row, no padding). Nothing here knows tensors, layers, caches or an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from sfi.config import SFIConfig
+from sfi.scorers import Scorer
+from sfi.stats import DecodeStats
+from sfi.triggers import BOOTSTRAP, COVERAGE, REFRESH_REASONS, RefreshTrigger
+
+DENSE, SLOW, FAST, LAGGED = "dense", "slow", "fast", "lagged"
+STEP_KINDS: tuple[str, ...] = (DENSE, SLOW, FAST, LAGGED)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where one sequence's fast memory lies after a refresh (cache positions).
+
+    Sinks are ``[pad, sink_end)``, the middle region ``[sink_end, recent_start)`` (from which
+    ``k`` positions per KV head are selected), the recent window ``[recent_start, T)`` (it
+    grows by one position per step until the next refresh). ``sink`` is the sequence's S (the
+    compact slots before the selected ones); ``pinned`` of the ``k`` selected positions are
+    kept by every later refresh.
+    """
+
+    pad: int
+    sink: int
+    sink_end: int
+    recent_start: int
+    k: int
+    pinned: int = 0
+
+    @property
+    def sink_count(self) -> int:
+        return self.sink_end - self.pad
+
+    def read(self, total: int) -> int:
+        """Entries a fast step at cache length ``total`` reads per KV head."""
+        return self.sink_count + self.k + total - self.recent_start
+
+
+def refresh_memory(total: int, pad: int, sink: int, recent: int, budget: int) -> Memory:
+    """The memory of a refresh at cache length ``total`` for a sequence whose real tokens start
+    at ``pad``: S sinks, the last R tokens, and ``min(budget, middle length)`` selected."""
+    recent_start = max(total - recent, pad)
+    sink_end = min(pad + sink, recent_start)
+    return Memory(pad=pad, sink=sink, sink_end=sink_end, recent_start=recent_start,
+                  k=min(budget, recent_start - sink_end))
+
+
+@dataclass
+class SequenceState:
+    """What one sequence carries between steps: its config, trigger, scorer, selection and
+    counters. ``memory`` is None until its first selection."""
+
+    pad: int
+    config: SFIConfig
+    trigger: RefreshTrigger
+    scorer: Scorer
+    dense_only: bool = False
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    steps_since_refresh: int = 0
+    memory: Memory | None = None
+    coverage_miss: bool = False
+
+
+def next_memory(seq: SequenceState, total: int) -> Memory:
+    """The memory of ``seq`` refreshed at cache length ``total``: the geometry of
+    :func:`refresh_memory`, and the positions it keeps pinned (``pin_fraction`` of its first
+    selection's K, kept by every later refresh)."""
+    c = seq.config
+    memory = refresh_memory(total, seq.pad, c.sink, c.recent, c.budget(total - seq.pad))
+    if seq.memory is None:
+        pinned = math.floor(c.pin_fraction * memory.k)
+    else:
+        pinned = min(seq.memory.pinned, memory.k)
+    return replace(memory, pinned=pinned)
+
+
+def sparse_pays(seq: SequenceState, total: int) -> bool:
+    """Whether a step of ``seq`` at cache length ``total`` may read sparsely at all."""
+    return not seq.dense_only and seq.config.sparse_pays(total - seq.pad)
+
+
+def decode_decision(seq: SequenceState, token: int | None, total: int) -> tuple[str, str | None]:
+    """What a decode step of ``seq`` at cache length ``total`` does, before it runs:
+    ``(kind, refresh reason)``. Dense while sparse decoding does not pay (or for a full-attention
+    sequence); slow without a memory (``bootstrap``), when the trigger fires on ``token`` (None:
+    not observed), or after a coverage miss once ``coverage_gap`` steps have passed; else fast."""
+    if not sparse_pays(seq, total):
+        return DENSE, None
+    steps = seq.steps_since_refresh + 1
+    fired = seq.trigger.decide(token, steps) if token is not None else None
+    if seq.memory is None:
+        return SLOW, BOOTSTRAP
+    if fired is not None:
+        return SLOW, fired
+    if seq.coverage_miss and steps >= seq.config.coverage_gap:
+        return SLOW, COVERAGE
+    return FAST, None
+
+
+def fast_read_fraction(seq: SequenceState, total: int, layers: Iterable[int],
+                       dense_reads: int = 0) -> float:
+    """The fraction of the context a fast step of ``seq`` at cache length ``total`` read,
+    averaged over the slow-fast ``layers`` (model indices): the memory at most of them, the
+    whole context at the first ``dense_layers`` ones and at ``dense_reads`` more (layers whose
+    rebuild was not ready)."""
+    layers = tuple(layers)
+    read = seq.memory.read(total) / (total - seq.pad)
+    dense = sum(i < seq.config.dense_layers for i in layers) + dense_reads
+    if dense and layers:
+        read = (dense + (len(layers) - dense) * read) / len(layers)
+    return read
+
+
+def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | None = None,
+                memory: Memory | None = None, reason: str | None = None,
+                read: float | None = None, lagged: bool = False) -> None:
+    """Apply one step's outcome to ``seq``.
+
+    A decode step advances the trigger on its input ``token`` (None: not observed) and counts
+    as ``kind``; a slow step (or a first selection, ``decode=False``) installs ``memory``,
+    restarts the reuse count, clears a coverage miss and counts its ``reason`` (reasons
+    outside :data:`sfi.triggers.REFRESH_REASONS`, an engine's own, are the engine's to count).
+    ``read`` is a fast step's read fraction (:func:`fast_read_fraction`); ``lagged`` says some
+    of its layers read densely because their rebuild was not ready.
+    """
+    if decode:
+        steps = seq.steps_since_refresh + 1
+        if token is not None:
+            seq.trigger.advance(token, steps)
+        seq.steps_since_refresh = steps
+    if kind == SLOW:
+        if memory is None:
+            raise ValueError("a slow step installs a new memory")
+        seq.memory = memory
+        seq.steps_since_refresh = 0
+        seq.coverage_miss = False
+        if reason in REFRESH_REASONS:
+            seq.stats.refresh_reasons[reason] += 1
+    if not decode:
+        return
+    if kind == DENSE:
+        seq.stats.dense_steps += 1
+    elif kind == SLOW:
+        seq.stats.slow_steps += 1
+    elif lagged:
+        seq.stats.record_lagged_step(read)
+    else:
+        seq.stats.record_fast_step(read)
