@@ -6,6 +6,8 @@ The plugin inside a running vLLM engine is tested in ``tests_vllm/`` (its own en
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,18 +15,20 @@ import sfi
 from sfi import SFIConfig
 from sfi.errors import SFIConfigError
 from sfi.scorers.registry import make_scorer
+from sfi.selection import SelectionRule
 from sfi.sequence import refresh_memory
 from sfi.triggers import token_classes
 from sfi.vllm.paged import (
     BLOCKS,
     CHANNELS,
     DIM_MAJOR,
+    Refresh,
     empty_like_cache,
     memory_positions,
     probe_layout,
     read_positions,
     read_prefix,
-    select_positions,
+    select_refreshes,
 )
 from sfi.vllm.requests import (
     DENSE,
@@ -266,19 +270,64 @@ def test_the_plugins_buffer_keeps_the_caches_physical_order():
     assert empty_like_cache(torch.zeros(7, 2, 16, 64), 3).is_contiguous()
 
 
+def select_one(scorer, memory, queries, keys, rule=None, previous=None):
+    refresh = Refresh(memory, queries, keys, previous)
+    return select_refreshes(scorer, rule or SelectionRule(), 0, [refresh], 0.25, None)[0]
+
+
 def test_selection_lies_in_the_middle_and_covers_it_with_a_full_budget():
     torch.manual_seed(0)
     config = SFIConfig(**SMALL)
     scorer = make_scorer("sfi", config)
     keys, queries = torch.randn(3, 60, 16), torch.randn(4, 6, 16)
     memory = refresh_memory(60, 0, 2, 8, 16)
-    selected = select_positions(scorer, memory, 0, config.page_size, queries, keys, 0.25, None)
+    selected = select_one(scorer, memory, queries, keys, SelectionRule(config.page_size))
     assert selected.shape == (3, 16)
     assert bool(((selected >= memory.sink_end) & (selected < memory.recent_start)).all())
     assert bool((selected.diff(dim=-1) > 0).all())
     everything = refresh_memory(60, 0, 2, 8, 1000)
-    selected = select_positions(scorer, everything, 0, 1, queries, keys, 0.25, None)
+    selected = select_one(scorer, everything, queries, keys)
     assert torch.equal(memory_positions(everything, selected, 60), torch.arange(60).expand(3, -1))
+
+
+@pytest.mark.parametrize("rule", [SelectionRule(), SelectionRule(page=4, hysteresis=1.0)],
+                         ids=["tokens", "pages+hysteresis"])
+def test_refreshes_selected_together_equal_each_alone(rule):
+    """Requests of different lengths and evidence windows (a first selection from 4 prompt
+    queries, decode-time refreshes from one query, one with a previous selection and pins)
+    select in one call what each selects alone."""
+    torch.manual_seed(1)
+    scorer = make_scorer("sfi", SFIConfig(**SMALL))
+    first = refresh_memory(50, 0, 2, 8, 12)
+    pinned = replace(refresh_memory(70, 0, 2, 8, 12), pinned=3)
+    refreshes = [Refresh(first, torch.randn(4, 6, 16), torch.randn(3, 50, 16)),
+                 Refresh(refresh_memory(64, 0, 2, 8, 12), torch.randn(1, 6, 16),
+                         torch.randn(3, 64, 16)),
+                 Refresh(pinned, torch.randn(1, 6, 16), torch.randn(3, 70, 16),
+                         previous=torch.arange(10, 22).expand(3, -1)),
+                 Refresh(refresh_memory(40, 0, 2, 8, 12), torch.randn(4, 6, 16),
+                         torch.randn(3, 40, 16))]
+    together = select_refreshes(scorer, rule, 0, refreshes, 0.25, None)
+    for refresh, chosen in zip(refreshes, together):
+        alone = select_refreshes(scorer, rule, 0, [refresh], 0.25, None)[0]
+        assert torch.equal(chosen, alone)
+    kept = together[2][:, :3]  # the pinned positions: the previous selection's first three
+    assert torch.equal(kept, torch.arange(10, 13).expand(3, -1))
+
+
+def test_hysteresis_keeps_more_of_the_previous_selection():
+    torch.manual_seed(2)
+    scorer = make_scorer("sfi", SFIConfig(**SMALL))
+    memory, keys = refresh_memory(80, 0, 2, 8, 16), torch.randn(3, 80, 16)
+    before = select_one(scorer, memory, torch.randn(1, 6, 16), keys)
+    query = torch.randn(1, 6, 16)
+    plain = select_one(scorer, memory, query, keys, SelectionRule(), before)
+    sticky = select_one(scorer, memory, query, keys, SelectionRule(hysteresis=1.0), before)
+
+    def shared(a, b):
+        return sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b))
+
+    assert shared(sticky, before) > shared(plain, before)
 
 
 def test_a_coverage_miss_refreshes_after_the_gap_as_in_the_planner():
@@ -302,8 +351,8 @@ def test_sfi_vllm_is_parsed_strictly():
     assert parse_config("") == SFIConfig()  # the plugin's default is the library's
     assert parse_config("preset=paper") == SFIConfig.from_preset("paper")
     assert parse_config("coverage_layers=0").coverage_layers == 0
-    with pytest.raises(SFIConfigError, match="dense_layers=2 is not supported"):
-        parse_config("dense_layers=2")
+    assert parse_config("dense_layers=2, pin_fraction=0.25, hysteresis=0.5") == SFIConfig(
+        dense_layers=2, pin_fraction=0.25, hysteresis=0.5)  # every field (no refusals left)
     with pytest.raises(SFIConfigError, match="field of SFIConfig"):
         parse_config("k_heads=3")
 

@@ -37,6 +37,8 @@ SENTENCE = SFIConfig(k_head=128, recent=64, refresh_interval=24, min_refresh_gap
                      coverage_layers=0)
 # the plugin's default: the sentence trigger and the coverage probes
 COVERAGE = replace(SENTENCE, coverage_layers=8)
+# the mechanisms the plugin once refused: a pinned quarter of K, hysteresis, a dense first layer
+PINNED = replace(COVERAGE, pin_fraction=0.25, hysteresis=0.5, dense_layers=1)
 
 
 def make_engine(path: str | Path, max_num_seqs: int = 4):

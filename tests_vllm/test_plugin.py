@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import COVERAGE, DEVICE, ENGINE, SENTENCE, SFI, generate
+from conftest import COVERAGE, DEVICE, ENGINE, PINNED, SENTENCE, SFI, generate
 
 from sfi.vllm import backend
 from sfi.vllm.backend import SFIImpl, SFIMetadata
@@ -113,8 +113,8 @@ def test_mixed_batches_and_reused_slots_equal_requests_alone(smol, essay_prompts
     assert s.requests == 6 and s.slots_reused >= 2
 
 
-@pytest.mark.parametrize("config", [SFI, SENTENCE, COVERAGE],
-                         ids=["fixed", "sentence", "sentence+coverage"])
+@pytest.mark.parametrize("config", [SFI, SENTENCE, COVERAGE, PINNED],
+                         ids=["fixed", "sentence", "sentence+coverage", "pins+hysteresis+dense"])
 def test_same_tokens_as_the_transformers_path(smol, essay_prompts, config):
     """Where stock vLLM and transformers' full attention agree, vLLM + SFI and sfi.generate
     agree with the same configuration (the sentence trigger sees the same input tokens). On

@@ -39,15 +39,17 @@ from sfi.coverage import DEFAULT_PAGE, best_pages, misses, unheld_pages
 from sfi.kernels import attention_logits
 from sfi.pages import page_bounds
 from sfi.scorers.registry import make_scorer
+from sfi.selection import SelectionRule
 from sfi.triggers import token_classes
 from sfi.vllm.paged import (
     CacheLayout,
+    Refresh,
     empty_like_cache,
     memory_positions,
     probe_layout,
     read_positions,
     read_prefix,
-    select_positions,
+    select_refreshes,
 )
 from sfi.vllm.requests import (
     DENSE,
@@ -263,7 +265,8 @@ class SFIMetadata:
         keys, query_lens, seq_lens, query_start: each row's request key (its first block),
             query and context lengths, first query token.
         block_table: ``[rows, max_blocks]`` vLLM's block table (to read a request's entries).
-        stock: the stock metadata of the whole batch, when no row is fast (else None).
+        stock: the stock metadata of the whole batch, when no row is fast or the first
+            ``dense_layers`` layers read everything (else None).
         dense: the stock metadata of the rows that read vLLM's cache, when some are fast.
         dense_tokens / fast_tokens: ``[n]`` the query tokens of each part.
         fast: the stock metadata of the fast rows over the plugin's buffer.
@@ -311,8 +314,9 @@ class SFIMetadata:
         build = self.builder.build_stock
         fast_rows = [p.row for p in self.plans if p.kind in (SELECT, FAST)]
         dense_rows = [p.row for p in self.plans if p.kind in (DENSE, SLOW)]
-        if not fast_rows:
+        if not fast_rows or requests.config.dense_layers:  # (the dense layers read it all)
             self.stock = build(self.common)
+        if not fast_rows:
             return
         common, starts = self.common, self.query_start
         device = common.slot_mapping.device
@@ -431,6 +435,7 @@ class SFIImpl:
     buffer: torch.Tensor | None = None  # [slots * blocks, H, bs, 2 * D], the cache's layout
     prompt_queries: torch.Tensor | None = None  # [slots, W, Hq, D]
     coverage: dict[int, SlotCoverage] | None = None  # per slot, in probe layers
+    selections: dict[int, tuple[int, torch.Tensor]] | None = None  # per slot: (request, [H, k])
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
@@ -445,9 +450,14 @@ class SFIImpl:
         md.plan(requests)
         if self.layer_idx is None:
             self.layer_idx = _layer_index(layer)
+        if self.layer_idx < requests.config.dense_layers:
+            # one of the first dense_layers layers: every row reads vLLM's cache, none selects
+            # (as in the transformers path, whose memories at these layers are never read)
+            stock(layer, query, key, value, kv_cache, md.stock, output)
+            return output
         self._ensure_buffers(requests, md, kv_cache, query)
         self._record_prompt_queries(md, query)
-        if md.stock is not None:
+        if md.fast is None:
             stock(layer, query, key, value, kv_cache, md.stock, output)
         elif md.dense is not None:
             part = output.new_empty(len(md.dense_tokens), *output.shape[1:])
@@ -482,6 +492,8 @@ class SFIImpl:
             self.prompt_queries = query.new_zeros(shape)
         if self.coverage is None:
             self.coverage = {}
+        if self.selections is None:
+            self.selections = {}
 
     def _record_prompt_queries(self, md: SFIMetadata, query: torch.Tensor) -> None:
         """Keep each prompt chunk's last W queries (the first selection's evidence)."""
@@ -493,16 +505,14 @@ class SFIImpl:
 
     def _refresh(self, layer: Any, requests: RequestBook, md: SFIMetadata, query: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
-        """Select and pack the memories of the rows that refresh at this step."""
+        """Select the memories of every row that refreshes at this step (in one call) and pack
+        them into their slots (in one cache write)."""
         if not md.refreshing:
             return
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys, cache_values = layout.halves(kv_cache)
-        per_slot = md.builder.blocks_per_slot(requests)
-        softcap = getattr(self, "logits_soft_cap", None) or None
-        probing = self.layer_idx in requests.probes
+        refreshes, ends = [], []
         for plan in md.refreshing:
-            memory = plan.memory
             block_row = md.block_table[plan.row]
             if plan.kind == SELECT:  # evidence: the prompt's last W queries, keys of the prompt
                 end = plan.total - 1
@@ -511,21 +521,35 @@ class SFIImpl:
                 end = plan.total
                 start = md.query_start[plan.row]
                 queries = query[start: start + 1]
-            keys = read_prefix(cache_keys, block_row, end, layout.keys)
-            selected = select_positions(requests.scorer, memory, self.layer_idx,
-                                        requests.config.page_size, queries, keys, self.scale,
-                                        softcap)
+            held = self.selections.get(plan.slot)
+            previous = held[1] if plan.previous is not None and held is not None \
+                and held[0] == plan.request else None
+            refreshes.append(Refresh(plan.memory, queries,
+                                     read_prefix(cache_keys, block_row, end, layout.keys),
+                                     previous))
+            ends.append(end)
+        softcap = getattr(self, "logits_soft_cap", None) or None
+        chosen = select_refreshes(requests.scorer, SelectionRule.of(requests.config),
+                                  self.layer_idx, refreshes, self.scale, softcap)
+        per_slot = md.builder.blocks_per_slot(requests)
+        probing = self.layer_idx in requests.probes
+        packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for plan, refresh, end, selected in zip(md.refreshing, refreshes, ends, chosen):
+            memory, keys = plan.memory, refresh.keys
+            self.selections[plan.slot] = (plan.request, selected)
             if probing:
                 self.coverage[plan.slot] = _slot_coverage(
                     self.coverage.get(plan.slot), plan.request, keys, selected, memory,
                     _probe_page(requests.config))
-            positions = memory_positions(memory, selected, end)
+            positions = memory_positions(memory, selected, end)  # [H, L]
             heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
             first = plan.slot * per_slot * cache_keys.shape[2]
-            slots = torch.arange(first, first + positions.shape[1], device=keys.device)
-            values = read_positions(cache_values, block_row, positions, layout.values)
-            _store(layer, self, self.buffer, keys[heads, positions].transpose(0, 1),
-                   values.transpose(0, 1), slots)
+            values = read_positions(cache_values, md.block_table[plan.row], positions,
+                                    layout.values)
+            packed.append((keys[heads, positions].transpose(0, 1), values.transpose(0, 1),
+                           torch.arange(first, first + positions.shape[1], device=keys.device)))
+        new_keys, new_values, slots = (torch.cat(parts) for parts in zip(*packed))
+        _store(layer, self, self.buffer, new_keys, new_values, slots)
 
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:

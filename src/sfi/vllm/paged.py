@@ -17,14 +17,14 @@ Shapes: H KV heads, D head size, T context length, L entries of a memory, k sele
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sfi.kernels import additive_bias, attention_logits, causal_mask, window_logits
+from sfi.kernels import additive_bias, attention_logits, window_logits
 from sfi.scorers import Scorer, make_evidence
-from sfi.selector import compact_slots, selection_order
+from sfi.selection import PreviousSelection, SelectionRule, previous_selection, select
 from sfi.sequence import Memory
 
 KeyLayout = None | str | torch.Tensor
@@ -186,32 +186,110 @@ def memory_positions(memory: Memory, selected: torch.Tensor, end: int) -> torch.
     return torch.cat([sinks.expand(h, -1), selected, recent.expand(h, -1)], dim=-1)
 
 
-def select_positions(scorer: Scorer, memory: Memory, layer_idx: int, page: int,
-                     queries: torch.Tensor, keys: torch.Tensor, scale: float,
-                     softcap: float | None) -> torch.Tensor:
-    """The ``[H, k]`` positions (increasing per head) a refresh selects from the middle region
-    of ``memory``.
+@dataclass(frozen=True)
+class Refresh:
+    """One request's refresh at a step, as read from the paged cache.
 
-    Args:
+    Attributes:
+        memory: the new memory (where its middle region lies, its k and pinned counts).
         queries: ``[W, Hq, D]`` the evidence queries, the last W positions before the keys end
-            (the logits are computed as the transformers path computes them: W = 1 as its
-            dense decode attention, W > 1 as its first selection after prefill).
+            (W = 1: a decode-time slow step, its own query; W > 1: the prompt's last queries,
+            as the transformers path selects at the prefill).
         keys: ``[H, T, D]`` the request's cached keys; T is where the evidence queries end.
+        previous: ``[H, k']`` the positions the memory it replaces selected (its first
+            ``memory.pinned`` pinned), or None for a first selection.
     """
-    w, _, d = queries.shape
-    h, t = keys.shape[0], keys.shape[1]
+
+    memory: Memory
+    queries: torch.Tensor
+    keys: torch.Tensor
+    previous: torch.Tensor | None = None
+
+
+def select_refreshes(scorer: Scorer, rule: SelectionRule, layer_idx: int,
+                     refreshes: Sequence[Refresh], scale: float, softcap: float | None
+                     ) -> list[torch.Tensor]:
+    """The ``[H, k]`` slots (pinned ones first, each part in increasing position order) of every
+    request that refreshes at a step: one :func:`sfi.selection.select` per number of evidence
+    queries, over all those requests at once (their keys padded to the longest)."""
+    chosen: list[torch.Tensor | None] = [None] * len(refreshes)
+    by_window: dict[int, list[int]] = {}
+    for i, refresh in enumerate(refreshes):
+        by_window.setdefault(refresh.queries.shape[0], []).append(i)
+    for w, members in by_window.items():
+        group = [refreshes[i] for i in members]
+        for i, slots in zip(members, _select_group(scorer, rule, layer_idx, group, w, scale,
+                                                   softcap)):
+            chosen[i] = slots
+    return chosen
+
+
+def _padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """``[n, H, length, D]``: each ``[H, T_i, D]`` zero-padded to ``length`` positions, laid
+    out as the first (a dim-major view stays one: its logits read the same)."""
+    if len(tensors) == 1 and tensors[0].shape[1] == length:
+        return tensors[0][None]
+    first = tensors[0]
+    h, _, d = first.shape
+    if first.stride(-1) != 1:  # a transposed view of [H, D, T]
+        out = first.new_zeros(len(tensors), h, d, length).transpose(-1, -2)
+    else:
+        out = first.new_zeros(len(tensors), h, length, d)
+    for row, t in enumerate(tensors):
+        out[row, :, : t.shape[1]] = t
+    return out
+
+
+def _select_group(scorer: Scorer, rule: SelectionRule, layer_idx: int,
+                  group: Sequence[Refresh], w: int, scale: float, softcap: float | None
+                  ) -> list[torch.Tensor]:
+    """:func:`select_refreshes` for requests with the same number ``w`` of evidence queries."""
+    n = len(group)
+    ends = [r.keys.shape[1] for r in group]
+    t = max(ends)
+    keys = _padded([r.keys for r in group], t)  # [n, H, T, D]
+    h, d = keys.shape[1], keys.shape[3]
     device = keys.device
-    q = queries.permute(1, 0, 2)[None]  # [1, Hq, W, D]
+    q = torch.stack([r.queries.permute(1, 0, 2) for r in group])  # [n, Hq, W, D]
+    end = torch.tensor(ends, device=device)
+    key_pos = torch.arange(t, device=device)
     if w == 1:  # a decode-time slow step: the logits its dense attention computes
-        logits = attention_logits(q.reshape(1, h, -1, d), keys[None], scale, softcap)
+        logits = attention_logits(q.reshape(n, h, -1, d), keys, scale, softcap)
+        if min(ends) != t:
+            logits = logits.masked_fill((key_pos >= end[:, None])[:, None, None, :],
+                                        float("-inf"))
     else:  # the prompt's last W queries, each seeing the keys up to itself
-        bias = additive_bias(causal_mask(t, w, device))
-        logits = window_logits(q, keys[None], bias, scale, softcap)  # [1, H, G * W, T]
-    lo = torch.tensor([memory.sink_end], device=device)
-    hi = torch.tensor([memory.recent_start], device=device)
-    evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys[None], queries=w,
-                             query=q.reshape(1, h, -1, d))
-    k = torch.tensor([memory.k], device=device)
-    candidates = evidence.candidates
-    order, valid = selection_order(scorer.score(evidence), candidates, k, page)
-    return compact_slots(order, valid, candidates, torch.zeros_like(k))[0]
+        query_pos = end[:, None] - w + torch.arange(w, device=device)[None, :]  # [n, W]
+        bias = additive_bias(key_pos[None, None, :] <= query_pos[:, :, None])  # [n, W, T]
+        logits = window_logits(q, keys, bias, scale, softcap)  # [n, H, G * W, T]
+    memories = [r.memory for r in group]
+    lo = torch.tensor([m.sink_end for m in memories], device=device)
+    hi = torch.tensor([m.recent_start for m in memories], device=device)
+    evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys, queries=w,
+                             query=q.reshape(n, h, -1, d))
+    k = torch.tensor([m.k for m in memories], device=device)
+    pins = torch.tensor([m.pinned for m in memories], device=device)
+    previous = None
+    if rule.hysteresis > 0 or any(m.pinned for m in memories):
+        previous = _previous(group, h, t, device, rule.hysteresis > 0)
+    slots = select(scorer, evidence, k, rule, pins, previous)
+    return [slots[row, :, : m.k] for row, m in enumerate(memories)]
+
+
+def _previous(group: Sequence[Refresh], h: int, t: int, device: torch.device,
+              hysteresis: bool) -> PreviousSelection | None:
+    """What the requests' replaced memories selected (for hysteresis and pins), or None."""
+    if all(r.previous is None for r in group):
+        return None
+    held = [r.previous if r.previous is not None else torch.zeros(h, 0, dtype=torch.long,
+                                                                   device=device)
+            for r in group]
+    width = max(p.shape[1] for p in held)
+    positions = torch.zeros(len(group), h, width, dtype=torch.long, device=device)
+    for row, p in enumerate(held):
+        positions[row, :, : p.shape[1]] = p
+    counts = torch.tensor([p.shape[1] for p in held], device=device)
+    pinned = torch.tensor([r.memory.pinned if r.previous is not None else 0 for r in group],
+                          device=device)
+    return previous_selection(positions, torch.zeros_like(counts), counts, pinned, t,
+                              hysteresis)

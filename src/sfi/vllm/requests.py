@@ -37,8 +37,19 @@ from dataclasses import dataclass, field, replace
 from sfi.config import SFIConfig
 from sfi.coverage import probe_layers
 from sfi.errors import SFIConfigError
-from sfi.planner import DENSE, FAST, SLOW, Memory, SequenceState, decode_decision, next_memory
 from sfi.scorers import Scorer
+from sfi.sequence import (
+    DENSE,
+    FAST,
+    SLOW,
+    Memory,
+    SequenceState,
+    decode_decision,
+    fast_read_fraction,
+    next_memory,
+    record_step,
+    sparse_pays,
+)
 from sfi.triggers import BOOTSTRAP, TokenClasses, make_trigger
 
 _SERIALS = itertools.count()  # request serials, never reused in a process: per-slot state
@@ -47,15 +58,6 @@ SELECT = "select"  # the first decode step after a prompt: select from it, then 
 CAPACITY = "capacity"
 NO_TOKEN = -1  # shown to a token-free trigger when the input token is not known
 BOOTSTRAP_REUSE = 1024  # new tokens a bootstrap-only memory serves before it must refresh
-
-
-def check_plugin_config(config: SFIConfig) -> None:
-    """Refuse, by name, what the vLLM plugin does not carry out."""
-    unsupported = {"dense_layers": 0, "pin_fraction": 0.0, "hysteresis": 0.0}
-    for name, neutral in unsupported.items():
-        if getattr(config, name) != neutral:
-            raise SFIConfigError(f"{name}={getattr(config, name)!r} is not supported by the vLLM "
-                                 f"plugin yet; set {name}={neutral}")
 
 
 def longest_reuse(config: SFIConfig) -> int:
@@ -85,6 +87,8 @@ class RowPlan:
         slot: the row's slot in the plugin's buffer (None for rows the plugin does not track).
         total: T, the row's context after this step (vLLM's ``seq_len``).
         memory: for ``slow`` and ``select``, the memory built at this step.
+        previous: for ``slow``, the memory it replaces (its selection is what pins and
+            hysteresis keep; None for a first selection).
         length: entries of the slot a fast read covers at this step (``select`` and ``fast``:
             including the new token); for ``slow``, the entries the refresh packs.
         record: prompt queries to record from this row (its last ``record`` query tokens).
@@ -98,6 +102,7 @@ class RowPlan:
     slot: int | None
     total: int
     memory: Memory | None = None
+    previous: Memory | None = None
     length: int = 0
     record: int = 0
     evidence: int = 0
@@ -148,7 +153,6 @@ class RequestBook:
 
     def __init__(self, config: SFIConfig, slots: int, capacity: int, scorer: Scorer,
                  classes: TokenClasses | None = None, layers: int = 0) -> None:
-        check_plugin_config(config)
         if config.trigger == "sentence" and classes is None:
             raise SFIConfigError("the sentence trigger needs the vocabulary's token classes")
         self.config = config
@@ -160,6 +164,7 @@ class RequestBook:
         self.free = list(range(slots))[::-1]
         self.used_slots: set[int] = set()
         self.stats = BookStats()
+        self.layers = tuple(range(layers))
         self.probes = probe_layers(config.coverage_layers, range(layers), config.dense_layers)
 
     # --- the step --------------------------------------------------------------------------
@@ -233,10 +238,13 @@ class RequestBook:
             self.free.append(state.slot)
 
     def _decide(self, row: int, state: RequestState, q: int, t: int, token: int) -> RowPlan:
+        """Decide one row and record it (:func:`sfi.sequence.record_step`, as the planner
+        records a step): the plugin has no hook after the step, and nothing the step does
+        changes its decision (a probe's flag counts from the next step, as in the planner)."""
         c, seq = self.config, state.seq
         if state.slot is None:  # no room for a memory: stock attention throughout
             if q == 1:
-                seq.stats.dense_steps += 1
+                record_step(seq, DENSE, decode=True)
             return RowPlan(row, DENSE, None, t)
         if q > 1:  # a prompt chunk
             record = min(c.evidence_window, q)
@@ -245,34 +253,27 @@ class RequestBook:
             return RowPlan(row, DENSE, state.slot, t, record=record)
         select: RowPlan | None = None
         if seq.memory is None and state.prompt_length == t - 1 and state.recorded \
-                and c.sparse_pays(t - 1):
+                and sparse_pays(seq, t - 1):
             # the prompt's selection (made at its end, as at the transformers path's prefill)
             memory = next_memory(seq, t - 1)
-            seq.memory, seq.steps_since_refresh, seq.coverage_miss = memory, 0, False
-            seq.stats.refresh_reasons[BOOTSTRAP] += 1
+            record_step(seq, SLOW, decode=False, memory=memory, reason=BOOTSTRAP)
             self._count(BOOTSTRAP)
             select = RowPlan(row, SELECT, state.slot, t, memory=memory,
                              length=memory.read(t - 1) + 1, evidence=state.recorded)
         kind, reason = decode_decision(seq, token, t)
         if kind == FAST and select is None and state.length + 1 > self.capacity:
             kind, reason = SLOW, CAPACITY
-        steps = seq.steps_since_refresh + 1
-        seq.trigger.advance(token, steps)
-        seq.steps_since_refresh = steps
+        previous = seq.memory
+        memory = next_memory(seq, t) if kind == SLOW else None
+        read = fast_read_fraction(seq, t, self.layers) if kind == FAST else None
+        record_step(seq, kind, decode=True, token=token, memory=memory, reason=reason, read=read)
         if kind == DENSE:  # nothing to save yet
-            seq.stats.dense_steps += 1
             return RowPlan(row, DENSE, state.slot, t)
         if kind == SLOW:  # dense now, then a memory of the step's length
-            memory = next_memory(seq, t)
-            seq.memory, seq.steps_since_refresh, seq.coverage_miss = memory, 0, False
             state.length = memory.read(t)
-            seq.stats.slow_steps += 1
-            if reason != CAPACITY:
-                seq.stats.refresh_reasons[reason] += 1
             self._count(reason)
-            return RowPlan(row, SLOW, state.slot, t, memory=memory, length=state.length,
-                           reason=reason)
-        seq.stats.record_fast_step(seq.memory.read(t) / t)
+            return RowPlan(row, SLOW, state.slot, t, memory=memory, previous=previous,
+                           length=state.length, reason=reason)
         if select is not None:
             state.length = select.length
             return select

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from sfi.config import SFIConfig, parse_overrides
 from sfi.errors import SFIConfigError
-from sfi.vllm.requests import check_plugin_config
 
 ENV = "SFI_VLLM"
 DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries per layer)
@@ -36,7 +35,6 @@ def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
         else:
             rest.append(item)
     config = SFIConfig.from_preset(preset, **parse_overrides(rest, where=ENV))
-    check_plugin_config(config)
     return config, slots
 
 
@@ -61,8 +59,6 @@ def configure(config: SFIConfig | None, slots: int | None = None) -> None:
     runs in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the next step starts from a new book.
     ``slots``: see :func:`parse_settings`."""
     global _config, _slots, _generation
-    if config is not None:
-        check_plugin_config(config)
     if slots is not None and slots < 1:
         raise SFIConfigError(f"slots must be >= 1, got {slots}")
     _config, _slots = config, slots
