@@ -71,6 +71,14 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+# what either engine's own mechanics are made of
+ENGINES = {"sfi.cache", "sfi.layers", "sfi.slab", "sfi.hf", "sfi.attention", "sfi.decode",
+           "sfi.vllm.backend", "sfi.vllm.impl", "sfi.vllm.metadata", "sfi.vllm.requests"}
+TRANSFORMERS_PATH = {"sfi.planner", "sfi.layers", "sfi.slab", "sfi.cache", "sfi.hf",
+                     "sfi.decode", "sfi.methods", "sfi.bench", "sfi.bench.throughput",
+                     "sfi.bench.vllm", "sfi.eval", "sfi.eval.runner", "sfi.eval.fidelity"}
+
+
 @pytest.mark.parametrize("module, forbidden", [
     # the attention function imports neither cache: layers bring their own attend()
     ("sfi.attention", {"sfi.cache", "sfi.eviction.cache", "sfi.layers", "sfi.eviction.layer"}),
@@ -79,12 +87,46 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     ("sfi.scorers.registry", {"sfi.cache", "sfi.layers", "sfi.planner", "sfi.decode"}),
     # the planner decides from state and tokens only
     ("sfi.planner", {"sfi.cache", "sfi.layers", "sfi.hf", "sfi.attention", "sfi.decode"}),
+    # the sequence policy and the selection are engine-neutral: both engines call them
+    ("sfi.sequence", ENGINES | {"sfi.planner", "sfi.kernels", "sfi.selection"}),
+    ("sfi.selection", ENGINES | {"sfi.planner", "sfi.sequence"}),
     # layers hold tensors and never see their cache
     ("sfi.layers", {"sfi.cache", "sfi.methods", "sfi.decode"}),
+    ("sfi.slab", {"sfi.cache", "sfi.layers", "sfi.methods", "sfi.decode", "sfi.context"}),
+    # the vLLM plugin shares the core, not the transformers path's batch plan or tensors
+    *[(module, TRANSFORMERS_PATH) for module in
+      ("sfi.vllm.requests", "sfi.vllm.paged", "sfi.vllm.metadata", "sfi.vllm.impl",
+       "sfi.vllm.backend", "sfi.vllm.settings", "sfi.vllm")],
     ("sfi.eviction.layer", {"sfi.eviction.cache", "sfi.eviction.policies", "sfi.cache"}),
 ])
 def test_layering(module, forbidden):
     assert not reachable(import_graph(), module) & forbidden
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of the packages outside sfi that ``path`` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {"sfi", "__future__"}
+
+
+@pytest.mark.parametrize("module", ["sequence", "selection"])
+def test_the_core_imports_no_engine(module):
+    """No transformers, no vLLM, no torch.nn modules: plain policy and tensor functions."""
+    path = SRC / "sfi" / f"{module}.py"
+    assert not third_party_imports(path) & {"transformers", "vllm"}
+    assert "torch.nn" not in path.read_text(encoding="utf-8")
+
+
+def test_the_vllm_glue_keeps_no_module_state_on_the_step_path():
+    """No ``global`` statement in ``sfi/vllm``: the impl reads its step from its arguments."""
+    for path in (SRC / "sfi" / "vllm").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], path.name
 
 
 def test_the_check_finds_a_cycle():

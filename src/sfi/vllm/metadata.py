@@ -1,0 +1,261 @@
+"""One step's attention metadata under SFI, and the builder that makes it.
+
+:class:`SFIBuilder` is mixed into a stock metadata builder (first in the bases). It records the
+batch's shapes in an :class:`SFIMetadata` together with the request book of the configuration
+in force; when the step's first attention layer runs (the model has by then attached its input
+ids, which the triggers observe), :meth:`SFIMetadata.plan` has the book decide every row and
+vLLM's own builder makes the stock metadata of each part: the rows that read vLLM's cache
+(prefill, dense and slow rows: their real block tables) and the fast rows, whose block table
+lists their slot's blocks in the plugin's buffer and whose ``seq_len`` is the slot's length.
+The impl (:mod:`sfi.vllm.impl`) reads only this metadata: nothing on the step path is kept in
+module state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+
+from sfi.scorers.registry import make_scorer
+from sfi.triggers import token_classes
+from sfi.vllm.requests import (
+    DENSE,
+    FAST,
+    SELECT,
+    SLOW,
+    RequestBook,
+    RowPlan,
+    blocks_per_slot,
+    slot_capacity,
+)
+from sfi.vllm.settings import active_config, active_slots
+
+log = logging.getLogger(__name__)
+
+_BOOKS: dict[int, RequestBook] = {}  # the book of the configuration in force, by generation
+
+
+def book() -> RequestBook | None:
+    """The request book of the configuration in force in this process (None until an SFI
+    step ran under it, or with SFI off): what tests and benchmarks read."""
+    return _BOOKS.get(active_config()[1])
+
+
+# The architectures whose model class sfi subclasses to record each step's input ids (the
+# sentence trigger observes them; vLLM's attention metadata carries none).
+TOKEN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                       "Qwen3ForCausalLM")
+
+
+def _last_tokens(ids: torch.Tensor | None, query_start: list[int], rows: int
+                 ) -> list[int] | None:
+    """Each row's last input token of the step (None if the model recorded none)."""
+    if ids is None:
+        return None
+    last = torch.tensor([query_start[r + 1] - 1 for r in range(rows)])
+    return ids.index_select(0, last.to(ids.device)).tolist()
+
+
+def _book_for(vllm_config: Any) -> RequestBook | None:
+    """The request book of the configuration in force (made at its first step), or None with
+    SFI off."""
+    config, generation = active_config()
+    if config is None:
+        return None
+    if generation not in _BOOKS:
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise RuntimeError("SFI in vLLM needs prefix caching off "
+                               "(--no-enable-prefix-caching, or enable_prefix_caching=False)")
+        if vllm_config.cache_config.cache_dtype not in ("auto", None):
+            raise RuntimeError("SFI in vLLM needs an unquantized KV cache (kv_cache_dtype=auto), "
+                               f"not {vllm_config.cache_config.cache_dtype!r}")
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise RuntimeError("SFI in vLLM does not support decode context parallelism "
+                               "(--decode-context-parallel-size 1)")
+        capacity = slot_capacity(config, vllm_config.model_config.max_model_len)
+        classes = None
+        if config.trigger == "sentence":
+            from transformers import AutoTokenizer  # the engine's own tokenizer files
+
+            model = vllm_config.model_config
+            classes = token_classes(AutoTokenizer.from_pretrained(
+                model.tokenizer, revision=model.tokenizer_revision,
+                trust_remote_code=model.trust_remote_code))
+        _BOOKS.clear()  # a new configuration starts a new book
+        _BOOKS[generation] = RequestBook(
+            config, active_slots(vllm_config.scheduler_config.max_num_seqs), capacity,
+            make_scorer("sfi", config), classes,
+            vllm_config.model_config.hf_text_config.num_hidden_layers)
+    return _BOOKS[generation]
+
+
+def _query_tokens(starts: list[int], rows: list[int], device: torch.device) -> torch.Tensor:
+    """``[n]`` the query tokens of ``rows`` (``starts``: the batch's query start offsets)."""
+    return torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(device)
+
+
+def _rows_of(common: CommonAttentionMetadata, rows: list[int], starts: list[int],
+             tokens: torch.Tensor, block_table: torch.Tensor, seq_lens: list[int]
+             ) -> CommonAttentionMetadata:
+    """``common`` restricted to ``rows`` (whose query tokens are ``tokens``), with their
+    ``block_table`` and ``seq_lens`` (each tensor on the device vLLM keeps it on)."""
+    lens = torch.tensor([starts[r + 1] - starts[r] for r in rows],
+                        dtype=common.query_start_loc.dtype)
+    qsl = torch.zeros(len(rows) + 1, dtype=lens.dtype)
+    torch.cumsum(lens, 0, out=qsl[1:])
+    index = torch.tensor(rows)
+    per_row = {"is_prefilling", "rswa_prefix_lens", "dcp_local_seq_lens", "causal",
+               "dcp_local_seq_lens_cpu_upper_bound", "encoder_seq_lens"}
+    changes: dict[str, Any] = {
+        f.name: value.index_select(0, index.to(value.device))
+        for f in fields(common)
+        if f.name in per_row and isinstance(value := getattr(common, f.name), torch.Tensor)}
+    lengths = torch.tensor(seq_lens, dtype=common.seq_lens.dtype)
+    if common.seq_lens_cpu_upper_bound is not None:
+        changes["seq_lens_cpu_upper_bound"] = lengths.to(
+            common.seq_lens_cpu_upper_bound.dtype)
+    if common.positions is not None:
+        changes["positions"] = common.positions.index_select(0, tokens)
+    if common.req_idx is not None:
+        changes["req_idx"] = common.req_idx[rows]
+    return replace(common, **changes, query_start_loc=qsl.to(common.query_start_loc.device),
+                   query_start_loc_cpu=qsl, seq_lens=lengths.to(common.seq_lens.device),
+                   num_reqs=len(rows), num_actual_tokens=len(tokens),
+                   max_query_len=int(lens.max()), max_seq_len=max(seq_lens),
+                   block_table_tensor=block_table.to(common.block_table_tensor.device),
+                   slot_mapping=common.slot_mapping.index_select(0, tokens))
+
+
+@dataclass
+class SFIMetadata:
+    """One step's metadata for every layer, planned when the step's first layer runs (by then
+    the model has recorded the input tokens the triggers observe).
+
+    Attributes:
+        common: vLLM's metadata of the whole batch; builder: the builder that made this;
+            book: the request book that decides its rows.
+        keys, query_lens, seq_lens, query_start: each row's request key (its first block),
+            query and context lengths, first query token.
+        block_table: ``[rows, max_blocks]`` vLLM's block table (to read a request's entries).
+        stock: the stock metadata of the whole batch, when no row is fast or the first
+            ``dense_layers`` layers read everything (else None).
+        dense: the stock metadata of the rows that read vLLM's cache, when some are fast.
+        dense_tokens / fast_tokens: ``[n]`` the query tokens of each part.
+        fast: the stock metadata of the fast rows over the plugin's buffer.
+        fast_slots: ``[n_fast]`` where each fast row's new entry goes in the buffer
+            (block * bs + offset); fast_blocks: ``[n_fast, blocks]`` each one's slot blocks;
+            fast_plans: their plans.
+        plans: what each row does (empty until planned); refreshing: the slow and selecting
+            rows among them; recording: the prompt chunks whose last queries are kept.
+    """
+
+    common: CommonAttentionMetadata
+    builder: SFIBuilder
+    book: RequestBook
+    keys: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    query_start: list[int]
+    block_table: torch.Tensor
+    stock: Any = None
+    dense: Any = None
+    dense_tokens: torch.Tensor | None = None
+    fast: Any = None
+    fast_tokens: torch.Tensor | None = None
+    fast_slots: torch.Tensor | None = None
+    fast_blocks: torch.Tensor | None = None
+    fast_plans: list[RowPlan] = field(default_factory=list)
+    plans: list[RowPlan] = field(default_factory=list)
+    refreshing: list[RowPlan] = field(default_factory=list)
+    recording: list[RowPlan] = field(default_factory=list)
+    planned: bool = False
+    input_ids: torch.Tensor | None = None  # the step's input tokens, attached by the model
+
+    def plan(self) -> None:
+        """Decide every row (once per step, when the first layer runs) and build the stock
+        metadata of each part."""
+        if self.planned:
+            return
+        self.planned = True
+        requests = self.book
+        tokens = _last_tokens(self.input_ids, self.query_start, len(self.keys))
+        if tokens is None and requests.config.trigger == "sentence":
+            raise RuntimeError(
+                "SFI's sentence trigger needs the input tokens, which sfi records for the "
+                f"architectures {', '.join(TOKEN_ARCHITECTURES)}; this model is not one of "
+                "them: set trigger=fixed (and a period) in SFI_VLLM")
+        self.plans = requests.plan(self.keys, self.query_lens, self.seq_lens, tokens)
+        self.refreshing = [p for p in self.plans if p.kind in (SLOW, SELECT)]
+        self.recording = [p for p in self.plans if p.record]
+        build = self.builder.build_stock
+        fast_rows = [p.row for p in self.plans if p.kind in (SELECT, FAST)]
+        dense_rows = [p.row for p in self.plans if p.kind in (DENSE, SLOW)]
+        if not fast_rows or requests.config.dense_layers:  # (the dense layers read it all)
+            self.stock = build(self.common)
+        if not fast_rows:
+            return
+        common, starts = self.common, self.query_start
+        device = common.slot_mapping.device
+        if dense_rows:
+            index = torch.tensor(dense_rows, device=self.block_table.device)
+            self.dense_tokens = _query_tokens(starts, dense_rows, device)
+            self.dense = build(_rows_of(common, dense_rows, starts, self.dense_tokens,
+                                        self.block_table.index_select(0, index),
+                                        [self.seq_lens[r] for r in dense_rows]))
+        per_slot = self.builder.blocks_per_slot(requests)
+        fast_plans = self.fast_plans = [self.plans[r] for r in fast_rows]
+        slot_blocks = torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]
+                                    for p in fast_plans], dtype=self.block_table.dtype)
+        self.fast_tokens = _query_tokens(starts, fast_rows, device)  # one per row: they decode
+        self.fast = build(_rows_of(common, fast_rows, starts, self.fast_tokens, slot_blocks,
+                                   [p.length for p in fast_plans]))
+        self.fast_blocks = slot_blocks.to(self.block_table.device)
+        bs = self.builder.block_size
+        self.fast_slots = torch.tensor([p.slot * per_slot * bs + p.length - 1
+                                        for p in fast_plans], device=device)
+
+
+class SFIBuilder:
+    """Mixed into a stock metadata builder (first in the bases): the step's metadata becomes an
+    :class:`SFIMetadata`, and the stock ``build`` runs once per part of the batch."""
+
+    supports_update_block_table = False
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        return AttentionCGSupport.NEVER  # the parts and memories change at every step
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> Any:
+        common = common_attn_metadata
+        requests = _book_for(self.vllm_config)
+        if requests is None or common.num_reqs == 0 or not self._full_attention():
+            return super().build(common_prefix_len, common, fast_build)
+        n = common.num_reqs
+        starts = common.query_start_loc_cpu.tolist()
+        block_table = common.block_table_tensor[:n]
+        return SFIMetadata(common=common, builder=self, book=requests,
+                           keys=block_table[:, 0].tolist(),
+                           query_lens=[starts[r + 1] - starts[r] for r in range(n)],
+                           seq_lens=common.seq_lens[:n].tolist(), query_start=starts,
+                           block_table=block_table)
+
+    def _full_attention(self) -> bool:
+        """A causal decoder layer that sees its whole context (no sliding window)."""
+        if getattr(self, "is_cross_attention", False) or \
+                getattr(self, "is_encoder_only_attention", False):
+            return False
+        if getattr(self, "window_size", -1) not in (-1, None):  # vLLM's CPU builder
+            return False
+        return getattr(self.kv_cache_spec, "sliding_window", None) in (-1, None)
+
+    def build_stock(self, common: CommonAttentionMetadata) -> Any:
+        """The stock metadata of ``common`` (a whole batch or a part of it)."""
+        return super().build(0, common)
+
+    def blocks_per_slot(self, requests: RequestBook) -> int:
+        return blocks_per_slot(requests.capacity, self.block_size)
