@@ -16,6 +16,8 @@ from sfi.selector import (
     fuse,
     fusion_weight,
     prior_distribution,
+    rank_keys,
+    selection_order,
     soft_nms,
     top_k_positions,
 )
@@ -190,3 +192,33 @@ def test_selector_composes_the_stages():
                            cand)
     torch.testing.assert_close(out, expected)
     assert torch.isinf(out[:, :, :LO]).all() and torch.isinf(out[:, :, HI:]).all()
+
+
+@pytest.mark.parametrize("page", [2, 4, 16])
+@pytest.mark.parametrize("shifted", [False, True], ids=["aligned", "shifted"])
+def test_whole_pages_found_in_page_space_equal_the_smallest_rank_keys(page, shifted):
+    """selection_order's page-space path (no pinned or kept positions) takes the same positions
+    in the same order as the k smallest rank keys over every position: ties, -inf scores,
+    scattered candidates and partial pages included."""
+    generator = torch.Generator().manual_seed(page + 100 * shifted)
+    for trial in range(40):
+        b, t = 1 + trial % 3, int(torch.randint(20, 300, (), generator=generator))
+        scores = torch.randn(b, 3, t, generator=generator)
+        if trial % 3 == 0:
+            scores = scores.round()  # ties between pages
+        if trial % 5 == 0:
+            scores[..., ::7] = float("-inf")
+        if trial % 4 == 0:
+            candidates = torch.rand(b, t, generator=generator) < 0.5
+        else:
+            lo = torch.randint(0, t // 3, (b,), generator=generator)
+            hi = torch.randint(t // 2, t + 1, (b,), generator=generator)
+            positions = torch.arange(t)
+            candidates = (positions >= lo[:, None]) & (positions < hi[:, None])
+        k = (torch.rand(b, generator=generator) * candidates.sum(-1)).long()
+        shift = torch.randint(1, page, (b,), generator=generator) if shifted else None
+        order, valid = selection_order(scores, candidates, k, page, shift=shift)
+        keys = rank_keys(scores, candidates, page, shift)
+        expected = torch.topk(keys, int(k.max()), dim=-1, largest=False).indices
+        hidden = ~valid[:, None, :]
+        assert torch.equal(order.masked_fill(hidden, -1), expected.masked_fill(hidden, -1))

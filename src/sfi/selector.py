@@ -233,6 +233,8 @@ def selection_order(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: t
     valid = torch.arange(k_max, device=scores.device)[None, :] < k_per_row[:, None]
     if page <= 1 and keep is None and pinned is None:
         return torch.topk(_ranked(scores, candidates), k_max, dim=-1).indices, valid
+    if keep is None and pinned is None:
+        return _best_pages_order(scores, candidates, k_per_row, k_max, page, shift), valid
     keys = rank_keys(scores, candidates, page, shift)
     span = page_count(t, page, shift) * page  # every candidate's key is below this
     tier = torch.full_like(keys, 2)
@@ -241,6 +243,42 @@ def selection_order(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: t
             tier = tier.masked_fill(chosen & candidates[:, None, :], rank)
     keys = torch.where(keys == torch.iinfo(torch.int64).max, keys, keys + tier * span)
     return torch.topk(keys, k_max, dim=-1, largest=False).indices, valid
+
+
+def _best_pages_order(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: torch.Tensor,
+                      k_max: int, page: int, shift: torch.Tensor | None) -> torch.Tensor:
+    """``[B, H, k_max]``: :func:`selection_order` by whole pages without pinned or kept
+    positions, the same positions in the same order as the smallest :func:`rank_keys`, found in
+    page space: pages sorted by their best candidate, then only the first pages that hold
+    every row's k candidates are expanded to positions (about K / page pages, not T / page)."""
+    b, h, t = scores.shape
+    pages = page_count(t, page, shift)
+    ranked = _ranked(scores, candidates)
+    counts = candidates.to(torch.int32)
+    if shift is None:  # pages are contiguous runs: pad the last one and reduce in place
+        tail = pages * page - t
+        best = F.pad(ranked, (0, tail), value=NEG_INF).view(b, h, pages, page).amax(-1)
+        counts = F.pad(counts, (0, tail)).view(b, pages, page).sum(-1)
+    else:
+        page_index = pages_of(t, page, shift, b, scores.device)  # [B, T]
+        best = ranked.new_full((b, h, pages), NEG_INF).scatter_reduce(
+            -1, page_index[:, None, :].expand(b, h, t), ranked, "amax")
+        counts = counts.new_zeros(b, pages).scatter_add_(-1, page_index, counts)
+    order = torch.sort(best, dim=-1, descending=True, stable=True).indices  # [B, H, P]
+    held = counts[:, None, :].expand(b, h, pages).gather(-1, order).cumsum(-1)
+    needed = int((held < k_per_row[:, None, None]).sum(-1).max()) + 1 if b else 1
+    m = min(needed, pages)
+    start = order[..., :m] * page  # [B, H, m] first position of each chosen page
+    if shift is not None:
+        start = start - shift[:, None, None]
+    positions = (start[..., None] + torch.arange(page, device=scores.device)).flatten(-2)
+    inside = (positions >= 0) & (positions < t)
+    positions = positions.clamp(0, t - 1)
+    usable = inside & candidates[:, None, :].expand(b, h, t).gather(-1, positions)
+    rank = usable.cumsum(-1) - 1  # each usable position's place in the order
+    slot = torch.where(usable & (rank < k_max), rank, k_max)
+    out = positions.new_zeros(b, h, k_max + 1).scatter_(-1, slot, positions)
+    return out[..., :k_max]
 
 
 def compact_slots(order: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor,
