@@ -129,6 +129,16 @@ def test_the_vllm_glue_keeps_no_module_state_on_the_step_path():
         assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], path.name
 
 
+MAX_LINES = 450
+
+
+def test_no_module_is_longer_than_it_can_be_read():
+    """Every module of ``src/sfi`` is at most 450 lines (split by responsibility beyond)."""
+    long = {module_name(p): n for p in (SRC / "sfi").rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long
+
+
 def test_the_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
 

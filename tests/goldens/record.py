@@ -70,7 +70,8 @@ def record_eval(model, tokenizer) -> list[dict[str, Any]]:
 
 
 def record_engine(model, tokenizer) -> list[dict[str, Any]]:
-    from sfi.server.engine import Engine, GenerationRequest
+    from sfi.server.engine import Engine
+    from sfi.server.requests import GenerationRequest
 
     prompts = essay_prompts(tokenizer, (600, 800, 500, 700))
     ids = [tokenizer(p)["input_ids"] for p in prompts]

@@ -19,8 +19,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sfi.errors import SFIError
-from sfi.server.engine import Engine, QueueFullError
+from sfi.server.engine import Engine
 from sfi.server.guard import Guard, is_loopback
+from sfi.server.requests import QueueFullError
 from sfi.server.responses import ChatFormat, CompletionFormat, ServerState, admit, prepare, respond
 from sfi.server.schemas import APIError, ChatRequest, CompletionRequest, error_response
 

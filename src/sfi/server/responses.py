@@ -16,7 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sfi.errors import SFIError
-from sfi.server.engine import Engine, GenerationRequest, KVBudgetError, QueueFullError
+from sfi.server.engine import Engine
+from sfi.server.requests import GenerationRequest, KVBudgetError, QueueFullError
 from sfi.server.schemas import APIError, RequestFields
 
 

@@ -4,8 +4,8 @@ memories' upkeep (selection and packing into the plugin's buffer), and the cover
 :class:`SFIImpl` is mixed into a stock attention impl (first in the bases). It reads the step
 from its :class:`~sfi.vllm.metadata.SFIMetadata` argument; what it keeps between steps is its
 own (per layer): the buffer of fast memories (the cache's layout, written by the cache op), the
-prompt queries of each slot, each slot's last selection (what pins and hysteresis keep) and, in
-probe layers, each slot's page boxes.
+prompt queries of each slot, each slot's last selection (what pins and hysteresis keep), its
+key norms (only new positions are computed at a refresh) and, in probe layers, its page boxes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from sfi.coverage import DEFAULT_PAGE, best_pages, misses, unheld_pages
 from sfi.kernels import attention_logits
 from sfi.pages import page_bounds
+from sfi.scorers import key_norms_of
 from sfi.selection import SelectionRule
 from sfi.vllm.metadata import SFIMetadata
 from sfi.vllm.paged import (
@@ -32,7 +33,7 @@ from sfi.vllm.paged import (
     read_prefix,
     select_refreshes,
 )
-from sfi.vllm.requests import SELECT, RequestBook
+from sfi.vllm.requests import SELECT, RequestBook, RowPlan
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class SFIImpl:
     coverage: dict[int, SlotCoverage] | None = None  # per slot, in probe layers
     selections: dict[int, tuple[int, torch.Tensor]] | None = None  # per slot: (request, [H, k])
     layout: tuple[tuple[Any, ...], CacheLayout] | None = None  # (cache shape, its layout)
+    norms: dict[int, tuple[int, torch.Tensor]] | None = None  # per slot: (request, [H, T])
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
@@ -144,6 +146,8 @@ class SFIImpl:
             self.coverage = {}
         if self.selections is None:
             self.selections = {}
+        if self.norms is None:
+            self.norms = {}
 
     def _record_prompt_queries(self, md: SFIMetadata, query: torch.Tensor) -> None:
         """Keep each prompt chunk's last W queries (the first selection's evidence)."""
@@ -174,9 +178,9 @@ class SFIImpl:
             held = self.selections.get(plan.slot)
             previous = held[1] if plan.previous is not None and held is not None \
                 and held[0] == plan.request else None
-            refreshes.append(Refresh(plan.memory, queries,
-                                     read_prefix(cache_keys, block_row, end, layout.keys),
-                                     previous))
+            keys = read_prefix(cache_keys, block_row, end, layout.keys)
+            refreshes.append(Refresh(plan.memory, queries, keys, previous,
+                                     self._key_norms(plan, keys)))
             ends.append(end)
         softcap = getattr(self, "logits_soft_cap", None) or None
         chosen = select_refreshes(requests.scorer, SelectionRule.of(requests.config),
@@ -200,6 +204,19 @@ class SFIImpl:
                            torch.arange(first, first + positions.shape[1], device=keys.device)))
         new_keys, new_values, slots = (torch.cat(parts) for parts in zip(*packed))
         _store(layer, self, self.buffer, new_keys, new_values, slots)
+
+    def _key_norms(self, plan: RowPlan, keys: torch.Tensor) -> torch.Tensor:
+        """``[H, T]`` the norms of the request's keys ``[H, T, D]``, kept per slot from one
+        refresh to the next: only the positions written since are computed."""
+        held = self.norms.get(plan.slot)
+        t = keys.shape[1]
+        if held is not None and held[0] == plan.request and held[1].shape[1] <= t:
+            done = held[1].shape[1]
+            norms = torch.cat([held[1], key_norms_of(keys[:, done:])], dim=1)
+        else:
+            norms = key_norms_of(keys)
+        self.norms[plan.slot] = (plan.request, norms)
+        return norms
 
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:

@@ -198,12 +198,15 @@ class Refresh:
         keys: ``[H, T, D]`` the request's cached keys; T is where the evidence queries end.
         previous: ``[H, k']`` the positions the memory it replaces selected (its first
             ``memory.pinned`` pinned), or None for a first selection.
+        key_norms: ``[H, T]`` the keys' L2 norms where the caller keeps them (None: computed
+            from ``keys``).
     """
 
     memory: Memory
     queries: torch.Tensor
     keys: torch.Tensor
     previous: torch.Tensor | None = None
+    key_norms: torch.Tensor | None = None
 
 
 def select_refreshes(scorer: Scorer, rule: SelectionRule, layer_idx: int,
@@ -265,7 +268,12 @@ def _select_group(scorer: Scorer, rule: SelectionRule, layer_idx: int,
     memories = [r.memory for r in group]
     lo = torch.tensor([m.sink_end for m in memories], device=device)
     hi = torch.tensor([m.recent_start for m in memories], device=device)
-    evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys, queries=w,
+    norms = None
+    if all(r.key_norms is not None for r in group):
+        norms = torch.zeros(n, h, t, dtype=torch.float32, device=device)
+        for row, r in enumerate(group):
+            norms[row, :, : r.key_norms.shape[1]] = r.key_norms
+    evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys, key_norms=norms, queries=w,
                              query=q.reshape(n, h, -1, d))
     k = torch.tensor([m.k for m in memories], device=device)
     pins = torch.tensor([m.pinned for m in memories], device=device)
