@@ -60,7 +60,7 @@ def _attach_input_ids(model: Any, input_ids: torch.Tensor | None) -> None:
 
     if active_config()[0] is None or not is_forward_context_available():
         return
-    if not model.__dict__.get("_sfi_wrapped"):
+    if "_sfi_checked" not in model.__dict__:  # once per model: the backend does not change
         impls = {type(m.impl) for m in model.modules() if hasattr(m, "impl")}
         if impls and not any(issubclass(i, SFIImpl) for i in impls):
             wrapped = ", ".join(name for backends in WRAPPED.values() for name, *_ in backends)
@@ -69,7 +69,7 @@ def _attach_input_ids(model: Any, input_ids: torch.Tensor | None) -> None:
                 f"SFI_VLLM is set, but vLLM runs an attention backend sfi does not wrap "
                 f"({names}); sfi wraps {wrapped}: choose one "
                 "(--attention-backend FLASH_ATTN) or unset SFI_VLLM")
-        model.__dict__["_sfi_wrapped"] = bool(impls)
+        model.__dict__["_sfi_checked"] = True
     metadata = get_forward_context().attn_metadata
     for part in metadata if isinstance(metadata, list) else [metadata]:  # (micro-batches)
         for md in part.values() if isinstance(part, dict) else [part]:
@@ -89,8 +89,6 @@ def _recording(model_class: type) -> type:
 
 
 def _record_input_ids() -> None:
-    import importlib
-
     from vllm.model_executor.models import ModelRegistry
 
     for arch in TOKEN_ARCHITECTURES:

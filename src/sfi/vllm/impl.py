@@ -4,8 +4,9 @@ memories' upkeep (selection and packing into the plugin's buffer), and the cover
 :class:`SFIImpl` is mixed into a stock attention impl (first in the bases). It reads the step
 from its :class:`~sfi.vllm.metadata.SFIMetadata` argument; what it keeps between steps is its
 own (per layer): the buffer of fast memories (the cache's layout, written by the cache op), the
-prompt queries of each slot, each slot's last selection (what pins and hysteresis keep), its
-key norms (only new positions are computed at a refresh) and, in probe layers, its page boxes.
+prompt queries of each slot, and a :class:`SlotRecord` of the request that holds each slot (its
+last selection, what pins and hysteresis keep; its key norms, of which a refresh computes only
+the new positions; in probe layers, its page boxes).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from sfi.vllm.paged import (
     read_prefix,
     select_refreshes,
 )
-from sfi.vllm.requests import SELECT, RequestBook, RowPlan
+from sfi.vllm.requests import SELECT, RequestBook
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,6 @@ class SlotCoverage:
     """What a probe layer keeps of one slot's memory to check it (``sfi.coverage``).
 
     Attributes:
-        request: whose memory (:attr:`RowPlan.request`).
         low, high: ``[1, H, P, D]`` the element-wise bounds of the request's pages, of which
             ``done`` positions are summarised (kept from refresh to refresh: only the pages
             written since are summarised again).
@@ -69,13 +69,32 @@ class SlotCoverage:
             pages a probe may ask for, fixed until the next refresh).
     """
 
-    request: int
     low: torch.Tensor
     high: torch.Tensor
     done: int
     centre: torch.Tensor
     radius: torch.Tensor
     outside: torch.Tensor
+
+
+@dataclass
+class SlotRecord:
+    """What one layer keeps of the request that holds a slot (a new request in the slot starts
+    a new record).
+
+    Attributes:
+        request: whose (:attr:`RowPlan.request`).
+        selected: ``[H, k]`` its memory's selected positions, pinned ones first (what pins and
+            hysteresis keep at its next refresh).
+        norms: ``[H, T]`` its keys' norms up to its last refresh (only later positions are
+            computed at the next).
+        coverage: in probe layers, what the probes check its memory with.
+    """
+
+    request: int
+    selected: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
+    coverage: SlotCoverage | None = None
 
 
 class SFIImpl:
@@ -85,10 +104,8 @@ class SFIImpl:
     layer_idx: int | None = None  # the model layer this impl serves (from its name)
     buffer: torch.Tensor | None = None  # [slots * blocks, H, bs, 2 * D], the cache's layout
     prompt_queries: torch.Tensor | None = None  # [slots, W, Hq, D]
-    coverage: dict[int, SlotCoverage] | None = None  # per slot, in probe layers
-    selections: dict[int, tuple[int, torch.Tensor]] | None = None  # per slot: (request, [H, k])
+    records: dict[int, SlotRecord] | None = None  # per slot: its request's selection, norms
     layout: tuple[tuple[Any, ...], CacheLayout] | None = None  # (cache shape, its layout)
-    norms: dict[int, tuple[int, torch.Tensor]] | None = None  # per slot: (request, [H, T])
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
@@ -142,12 +159,8 @@ class SFIImpl:
         shape = (requests.slots, requests.config.evidence_window, *query.shape[1:])
         if self.prompt_queries is None or self.prompt_queries.shape != shape:
             self.prompt_queries = query.new_zeros(shape)
-        if self.coverage is None:
-            self.coverage = {}
-        if self.selections is None:
-            self.selections = {}
-        if self.norms is None:
-            self.norms = {}
+        if self.records is None:
+            self.records = {}
 
     def _record_prompt_queries(self, md: SFIMetadata, query: torch.Tensor) -> None:
         """Keep each prompt chunk's last W queries (the first selection's evidence)."""
@@ -165,7 +178,7 @@ class SFIImpl:
             return
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys, cache_values = layout.halves(kv_cache)
-        refreshes, ends = [], []
+        refreshes, records = [], []
         for plan in md.refreshing:
             block_row = md.block_table[plan.row]
             if plan.kind == SELECT:  # evidence: the prompt's last W queries, keys of the prompt
@@ -175,27 +188,26 @@ class SFIImpl:
                 end = plan.total
                 start = md.query_start[plan.row]
                 queries = query[start: start + 1]
-            held = self.selections.get(plan.slot)
-            previous = held[1] if plan.previous is not None and held is not None \
-                and held[0] == plan.request else None
+            record = self.records.get(plan.slot)
+            if record is None or record.request != plan.request:
+                record = self.records[plan.slot] = SlotRecord(plan.request)
             keys = read_prefix(cache_keys, block_row, end, layout.keys)
-            refreshes.append(Refresh(plan.memory, queries, keys, previous,
-                                     self._key_norms(plan, keys)))
-            ends.append(end)
+            record.norms = _key_norms(record.norms, keys)
+            refreshes.append(Refresh(plan.memory, queries, keys, record.selected, record.norms))
+            records.append(record)
         softcap = getattr(self, "logits_soft_cap", None) or None
         chosen = select_refreshes(requests.scorer, SelectionRule.of(requests.config),
                                   self.layer_idx, refreshes, self.scale, softcap)
         per_slot = md.builder.blocks_per_slot(requests)
         probing = self.layer_idx in requests.probes
         packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for plan, refresh, end, selected in zip(md.refreshing, refreshes, ends, chosen):
+        for plan, refresh, record, selected in zip(md.refreshing, refreshes, records, chosen):
             memory, keys = plan.memory, refresh.keys
-            self.selections[plan.slot] = (plan.request, selected)
+            record.selected = selected
             if probing:
-                self.coverage[plan.slot] = _slot_coverage(
-                    self.coverage.get(plan.slot), plan.request, keys, selected, memory,
-                    _probe_page(requests.config))
-            positions = memory_positions(memory, selected, end)  # [H, L]
+                record.coverage = _slot_coverage(record.coverage, keys, selected, memory,
+                                                 _probe_page(requests.config))
+            positions = memory_positions(memory, selected, keys.shape[1])  # [H, L]
             heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
             first = plan.slot * per_slot * cache_keys.shape[2]
             values = read_positions(cache_values, md.block_table[plan.row], positions,
@@ -204,19 +216,6 @@ class SFIImpl:
                            torch.arange(first, first + positions.shape[1], device=keys.device)))
         new_keys, new_values, slots = (torch.cat(parts) for parts in zip(*packed))
         _store(layer, self, self.buffer, new_keys, new_values, slots)
-
-    def _key_norms(self, plan: RowPlan, keys: torch.Tensor) -> torch.Tensor:
-        """``[H, T]`` the norms of the request's keys ``[H, T, D]``, kept per slot from one
-        refresh to the next: only the positions written since are computed."""
-        held = self.norms.get(plan.slot)
-        t = keys.shape[1]
-        if held is not None and held[0] == plan.request and held[1].shape[1] <= t:
-            done = held[1].shape[1]
-            norms = torch.cat([held[1], key_norms_of(keys[:, done:])], dim=1)
-        else:
-            norms = key_norms_of(keys)
-        self.norms[plan.slot] = (plan.request, norms)
-        return norms
 
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -230,7 +229,7 @@ class SFIImpl:
         softcap = getattr(self, "logits_soft_cap", None) or None
         h = cache_keys.shape[1]
         for i, plan in enumerate(md.fast_plans):
-            held = self.coverage[plan.slot]
+            held = self.records[plan.slot].coverage
             q = query[md.query_start[plan.row]].view(1, h, -1, d)  # [1, H, G, D]
             keys = read_prefix(memory_keys, md.fast_blocks[i], plan.length, layout.keys)
             lse = torch.logsumexp(attention_logits(q, keys[None], self.scale, softcap), dim=-1)
@@ -249,14 +248,22 @@ def _probe_page(config: Any) -> int:
     return config.page_size if config.page_size > 1 else DEFAULT_PAGE
 
 
-def _slot_coverage(previous: SlotCoverage | None, request: int, keys: torch.Tensor,
-                   selected: torch.Tensor, memory: Any, page: int) -> SlotCoverage:
-    """A probe layer's record of a new memory: ``keys [H, T, D]`` the request's keys read at
-    the refresh, ``selected [H, k]``; the page bounds of ``previous`` (the slot's last record)
-    are kept if it was the same request's."""
+def _key_norms(held: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """``[H, T]`` the norms of a request's keys ``[H, T, D]``, from those ``held`` at its last
+    refresh (``[H, T']``, or None) and the positions written since."""
+    if held is None or held.shape[1] > keys.shape[1]:
+        return key_norms_of(keys)
+    return torch.cat([held, key_norms_of(keys[:, held.shape[1]:])], dim=1)
+
+
+def _slot_coverage(previous: SlotCoverage | None, keys: torch.Tensor, selected: torch.Tensor,
+                   memory: Any, page: int) -> SlotCoverage:
+    """A probe layer's record of a request's new memory: ``keys [H, T, D]`` its keys read at
+    the refresh, ``selected [H, k]``; the page bounds of ``previous`` (its last record) are
+    kept."""
     t, device = keys.shape[1], keys.device
     first = 0
-    if previous is not None and previous.request == request and previous.done <= t:
+    if previous is not None and previous.done <= t:
         first = previous.done // page  # the page that was partial then, and those after it
     new_low, new_high = page_bounds(keys[None, :, first * page:], page)
     if first:
@@ -268,7 +275,7 @@ def _slot_coverage(previous: SlotCoverage | None, request: int, keys: torch.Tens
                            torch.tensor([memory.sink_end], device=device),
                            torch.tensor([memory.recent_start], device=device),
                            pages=low.shape[2], page=page)
-    return SlotCoverage(request=request, low=low, high=high, done=t,
+    return SlotCoverage(low=low, high=high, done=t,
                         centre=(high + low) / 2, radius=(high - low) / 2, outside=outside)
 
 

@@ -228,16 +228,17 @@ def select_refreshes(scorer: Scorer, rule: SelectionRule, layer_idx: int,
 
 
 def _padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
-    """``[n, H, length, D]``: each ``[H, T_i, D]`` zero-padded to ``length`` positions, laid
-    out as the first (a dim-major view stays one: its logits read the same)."""
-    if len(tensors) == 1 and tensors[0].shape[1] == length:
-        return tensors[0][None]
+    """``[n, H, length, ...]``: each ``[H, T_i, ...]`` zero-padded to ``length`` along its
+    second dimension, laid out as the first (a dim-major view of keys stays one: its logits
+    read the same)."""
     first = tensors[0]
-    h, _, d = first.shape
-    if first.stride(-1) != 1:  # a transposed view of [H, D, T]
-        out = first.new_zeros(len(tensors), h, d, length).transpose(-1, -2)
+    if len(tensors) == 1 and first.shape[1] == length:
+        return first[None]
+    n, h = len(tensors), first.shape[0]
+    if first.dim() == 3 and first.stride(-1) != 1:  # a transposed view of [H, D, T]
+        out = first.new_zeros(n, h, first.shape[2], length).transpose(-1, -2)
     else:
-        out = first.new_zeros(len(tensors), h, length, d)
+        out = first.new_zeros(n, h, length, *first.shape[2:])
     for row, t in enumerate(tensors):
         out[row, :, : t.shape[1]] = t
     return out
@@ -270,9 +271,7 @@ def _select_group(scorer: Scorer, rule: SelectionRule, layer_idx: int,
     hi = torch.tensor([m.recent_start for m in memories], device=device)
     norms = None
     if all(r.key_norms is not None for r in group):
-        norms = torch.zeros(n, h, t, dtype=torch.float32, device=device)
-        for row, r in enumerate(group):
-            norms[row, :, : r.key_norms.shape[1]] = r.key_norms
+        norms = _padded([r.key_norms for r in group], t)
     evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys, key_norms=norms, queries=w,
                              query=q.reshape(n, h, -1, d))
     k = torch.tensor([m.k for m in memories], device=device)
@@ -292,10 +291,7 @@ def _previous(group: Sequence[Refresh], h: int, t: int, device: torch.device,
     held = [r.previous if r.previous is not None else torch.zeros(h, 0, dtype=torch.long,
                                                                    device=device)
             for r in group]
-    width = max(p.shape[1] for p in held)
-    positions = torch.zeros(len(group), h, width, dtype=torch.long, device=device)
-    for row, p in enumerate(held):
-        positions[row, :, : p.shape[1]] = p
+    positions = _padded(held, max(p.shape[1] for p in held))  # [n, H, k'_max]
     counts = torch.tensor([p.shape[1] for p in held], device=device)
     pinned = torch.tensor([r.memory.pinned if r.previous is not None else 0 for r in group],
                           device=device)

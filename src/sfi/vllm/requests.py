@@ -87,8 +87,6 @@ class RowPlan:
         slot: the row's slot in the plugin's buffer (None for rows the plugin does not track).
         total: T, the row's context after this step (vLLM's ``seq_len``).
         memory: for ``slow`` and ``select``, the memory built at this step.
-        previous: for ``slow``, the memory it replaces (its selection is what pins and
-            hysteresis keep; None for a first selection).
         length: entries of the slot a fast read covers at this step (``select`` and ``fast``:
             including the new token); for ``slow``, the entries the refresh packs.
         record: prompt queries to record from this row (its last ``record`` query tokens).
@@ -102,7 +100,6 @@ class RowPlan:
     slot: int | None
     total: int
     memory: Memory | None = None
-    previous: Memory | None = None
     length: int = 0
     record: int = 0
     evidence: int = 0
@@ -263,7 +260,6 @@ class RequestBook:
         kind, reason = decode_decision(seq, token, t)
         if kind == FAST and select is None and state.length + 1 > self.capacity:
             kind, reason = SLOW, CAPACITY
-        previous = seq.memory
         memory = next_memory(seq, t) if kind == SLOW else None
         read = fast_read_fraction(seq, t, self.layers) if kind == FAST else None
         record_step(seq, kind, decode=True, token=token, memory=memory, reason=reason, read=read)
@@ -272,8 +268,8 @@ class RequestBook:
         if kind == SLOW:  # dense now, then a memory of the step's length
             state.length = memory.read(t)
             self._count(reason)
-            return RowPlan(row, SLOW, state.slot, t, memory=memory, previous=previous,
-                           length=state.length, reason=reason)
+            return RowPlan(row, SLOW, state.slot, t, memory=memory, length=state.length,
+                           reason=reason)
         if select is not None:
             state.length = select.length
             return select
