@@ -59,6 +59,34 @@ def test_build_config_from_flags():
         build_config(extra=["nonsense=1"])
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--max-batch", "0"], "max_batch must be >= 1"),
+    (["--max-queue", "-1"], "max_queue must be >= 0"),
+    (["--prefill-chunk", "-2"], "--prefill-chunk must be >= 0"),
+    (["--max-stall-ms", "-5"], "max_stall must be >= 0"),
+    (["--api-key", " "], "the API key is set but empty"),
+    (["--max-body-mb", "0"], "request body limit must be > 0"),
+])
+def test_serve_refuses_bad_limits_before_loading_the_model(args, message):
+    """The engine's and the guard's own checks, run before the model loads (the model named
+    here does not exist: a check that came after loading would report that instead)."""
+    result = run_cli("serve", "--model", "no-such-model", *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_access_defaults_follow_the_listening_address():
+    from sfi.server.guard import Access
+
+    local = Access.listening_on("127.0.0.1")
+    assert "localhost" in local.allowed_hosts and not local.open_to_anyone("127.0.0.1")
+    public = Access.listening_on("0.0.0.0")
+    assert public.allowed_hosts == ("*",) and public.open_to_anyone("0.0.0.0")
+    assert not Access.listening_on("0.0.0.0", api_key="k").open_to_anyone("0.0.0.0")
+    assert Access.listening_on("0.0.0.0", allowed_hosts=["a.example"]).allowed_hosts == (
+        "a.example",)
+
+
 def test_loadtest_refuses_non_loopback_targets():
     result = run_cli("loadtest", "--url", "http://10.1.2.3:8000", "--duration", "1")
     assert result.returncode == 2

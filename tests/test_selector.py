@@ -11,6 +11,8 @@ from sfi import SFIConfig
 from sfi.scorers import Evidence
 from sfi.selector import (
     SFISelector,
+    best_pages_slots,
+    compact_slots,
     evidence_distribution,
     exclusivity,
     fuse,
@@ -222,3 +224,30 @@ def test_whole_pages_found_in_page_space_equal_the_smallest_rank_keys(page, shif
         expected = torch.topk(keys, int(k.max()), dim=-1, largest=False).indices
         hidden = ~valid[:, None, :]
         assert torch.equal(order.masked_fill(hidden, -1), expected.masked_fill(hidden, -1))
+
+
+@pytest.mark.parametrize("page,shifted", [(4, False), (16, False), (8, True)])
+def test_whole_pages_in_position_order_equal_the_sorted_selection(page, shifted):
+    """best_pages_slots (pages put in position order, no sort of positions) gives what
+    compact_slots makes of selection_order: the same slots, first candidate past each row's k."""
+    generator = torch.Generator().manual_seed(7 + page + 100 * shifted)
+    for trial in range(40):
+        b, t = 1 + trial % 3, int(torch.randint(20, 300, (), generator=generator))
+        scores = torch.randn(b, 3, t, generator=generator)
+        if trial % 3 == 0:
+            scores = scores.round()
+        if trial % 5 == 0:
+            scores[..., ::7] = float("-inf")
+        if trial % 4 == 0:
+            candidates = torch.rand(b, t, generator=generator) < 0.5
+            candidates[:, 0] = True
+        else:
+            lo = torch.randint(0, t // 3, (b,), generator=generator)
+            hi = torch.randint(t // 2, t + 1, (b,), generator=generator)
+            positions = torch.arange(t)
+            candidates = (positions >= lo[:, None]) & (positions < hi[:, None])
+        k = (torch.rand(b, generator=generator) * candidates.sum(-1)).long().clamp(min=1)
+        shift = torch.randint(1, page, (b,), generator=generator) if shifted else None
+        order, valid = selection_order(scores, candidates, k, page, shift=shift)
+        expected = compact_slots(order, valid, candidates, torch.zeros_like(k))
+        assert torch.equal(best_pages_slots(scores, candidates, k, page, shift), expected)

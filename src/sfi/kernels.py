@@ -60,19 +60,21 @@ def window_logits(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, s
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                     scale: float, softcap: float | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step over the whole cache, grouped by KV head.
 
     Args:
         q: ``[B, H, G, D]``; k, v: ``[B, H, T, D]``; bias: ``[B, 1, 1, T]`` or None.
     Returns:
-        ``(out [B, H, G, D], logits [B, H, G, T])``, the logits biased (float32).
+        ``(out [B, H, G, D], logits [B, H, G, T], attention [B, H, G, T])``: the logits biased,
+        and their softmax (both float32; a slow step's evidence).
     """
     logits = attention_logits(q, k, scale, softcap)
     if bias is not None:
         logits = logits + bias
-    out = torch.matmul(torch.softmax(logits, dim=-1).to(v.dtype), v)
-    return out, logits
+    attention = torch.softmax(logits, dim=-1)
+    out = torch.matmul(attention.to(v.dtype), v)
+    return out, logits, attention
 
 
 def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Tensor,

@@ -69,11 +69,11 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
 
         def dense(rows: Rows, refresh: SlowRows | None = None) -> None:
             bias = rows.take(plan.pad_bias) if plan.pad_bias is not None else None
-            o, logits = dense_attention(rows.take(q), rows.take(keys), rows.take(values), bias,
-                                        scale, softcap)
+            o, logits, attention = dense_attention(rows.take(q), rows.take(keys),
+                                                   rows.take(values), bias, scale, softcap)
             rows.put(out, o)
             if refresh is not None:
-                self._refresh(step, refresh, logits, query=rows.take(q))
+                self._refresh(step, refresh, logits, query=rows.take(q), attention=attention)
 
         forced = plan.dense_at(self.layer_idx)  # this layer is one of their dense ones
         if forced and len(forced) + len(plan.dense) == len(plan.kinds):
@@ -158,9 +158,11 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         self._refresh(step, slow, logits, queries=w, query=grouped)
 
     def _refresh(self, step: StepContext, slow: SlowRows, logits: torch.Tensor,
-                 queries: int = 1, query: torch.Tensor | None = None) -> None:
+                 queries: int = 1, query: torch.Tensor | None = None,
+                 attention: torch.Tensor | None = None) -> None:
         """Score the middle region from ``logits [n, H, N, T]`` (of the evidence queries
-        ``query [n, H, N, D]``) and rebuild the compact buffer of the ``slow`` rows.
+        ``query [n, H, N, D]``; ``attention``, their softmax where the step has it) and rebuild
+        the compact buffer of the ``slow`` rows.
 
         The rebuild goes through the step's rebuilder: inline (committed at once), or on a CUDA
         side stream (committed when the layer next runs and finds it ready)."""
@@ -169,7 +171,8 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         cached_keys = slow.rows.take(self.keys) if query is not None else None
         evidence = make_evidence(logits, self.layer_idx, slow.lo, slow.hi, keys=cached_keys,
                                  key_norms=key_norms, candidates=slow.candidates,
-                                 queries=queries, query=query, pads=slow.pads)
+                                 queries=queries, query=query, pads=slow.pads,
+                                 attention=attention)
         previous = self._previous_selection(slow)
 
         def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,7 +182,7 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sinks,
                   slow.sink_positions, self._keys, self._values]
         held = (previous.selected, previous.pinned) if previous is not None else ()
-        inputs += [t for t in (query, cached_keys, *held) if t is not None]
+        inputs += [t for t in (query, cached_keys, attention, *held) if t is not None]
         self.pending = step.rebuilder.submit(slow.rows, rebuild, inputs, step.plan.compact_width)
         self.settle()
 

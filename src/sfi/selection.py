@@ -21,7 +21,7 @@ from sfi.config import SFIConfig
 from sfi.pages import page_shift
 from sfi.rows import Rows
 from sfi.scorers import Evidence, Scorer
-from sfi.selector import compact_slots, hysteresis_keep, selection_order
+from sfi.selector import best_pages_slots, compact_slots, hysteresis_keep, selection_order
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,12 @@ def select(scorer: Scorer, evidence: Evidence, k: torch.Tensor, rule: SelectionR
     if rule.hysteresis > 0 and previous.selected is not None:
         keep = hysteresis_keep(scores, candidates, k, previous.selected, rule.hysteresis,
                                rule.page, shift)
+    pins = torch.zeros_like(k) if pins is None else pins
+    if rule.page > 1 and keep is None and previous.pinned is None and not bool(pins.any()):
+        return best_pages_slots(scores, candidates, k, rule.page, shift)  # no position sort
     order, valid = selection_order(scores, candidates, k, rule.page, keep, previous.pinned,
                                    shift)
-    return compact_slots(order, valid, candidates, torch.zeros_like(k) if pins is None else pins)
+    return compact_slots(order, valid, candidates, pins)
 
 
 @dataclass(frozen=True)

@@ -29,29 +29,39 @@ from sfi.scorers import Evidence
 NEG_INF = float("-inf")
 
 
-def _normalise(x: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """Scale ``x [B, H, T]`` to sum to 1 over the candidates; uniform where it sums to 0."""
-    x = x * candidates[:, None, :]
+def _inside(candidates: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, T]`` float32: 1 at the candidates, 0 elsewhere."""
+    return candidates[:, None, :].to(torch.float32)
+
+
+def _normalise(x: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """Scale ``x [B, H, T]`` to sum to 1 over the candidates (``inside [B, 1, T]``, 1 at a
+    candidate); uniform over them where it sums to 0."""
+    x = x * inside
     total = x.sum(dim=-1, keepdim=True)
-    uniform = candidates[:, None, :].to(x.dtype) / candidates.sum(-1).clamp(min=1)[:, None, None]
+    uniform = inside / inside.sum(dim=-1, keepdim=True).clamp(min=1)
     return torch.where(total > 0, x / total.clamp(min=torch.finfo(x.dtype).tiny), uniform)
 
 
 def evidence_distribution(logits: torch.Tensor, candidates: torch.Tensor,
-                          alpha: float = 0.5) -> torch.Tensor:
+                          alpha: float = 0.5, attention: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """Stage 1, the evidence f ``[B, H, T]`` from logits ``[B, H, N, T]``.
 
     p_r = softmax of row r over every key it may see, then restricted to M;
     f = ((1/N) sum_r p_r^alpha)^(1/alpha), renormalised over M (alpha = 0: geometric mean).
-    Rows that may see nothing (padding queries) have p_r = 0.
+    Rows that may see nothing (padding queries) have p_r = 0. ``attention``: the p_r
+    ``[B, H, N, T]`` where the caller has them already (the slow step's own softmax).
     """
-    p = torch.softmax(logits.float(), dim=-1).nan_to_num(0.0)
-    p = p * candidates[:, None, None, :]
+    p = attention if attention is not None else torch.softmax(logits.float(), dim=-1)
+    p = p.nan_to_num(0.0)
     if alpha == 0:
         f = torch.exp(torch.log(p).mean(dim=-2))
+    elif alpha == 1:
+        f = p.mean(dim=-2)
     else:
         f = p.pow(alpha).mean(dim=-2).pow(1.0 / alpha)
-    return _normalise(f, candidates)
+    return _normalise(f, _inside(candidates))  # restricting each p_r to M, or f: the same
 
 
 def pool_positions(f: torch.Tensor, candidates: torch.Tensor, kernel: int,
@@ -65,13 +75,14 @@ def pool_positions(f: torch.Tensor, candidates: torch.Tensor, kernel: int,
     if kernel <= 1:
         return f
     b, h, t = f.shape
-    flat = (f * candidates[:, None, :]).reshape(b * h, 1, t)
+    inside = _inside(candidates)
+    flat = (f * inside).reshape(b * h, 1, t)
     pad = kernel // 2
     if mode == "max":
         pooled = F.max_pool1d(flat, kernel, stride=1, padding=pad)
     else:
         pooled = F.avg_pool1d(flat, kernel, stride=1, padding=pad, count_include_pad=False)
-    return _normalise(pooled.reshape(b, h, t), candidates)
+    return _normalise(pooled.reshape(b, h, t), inside)
 
 
 def prior_distribution(key_norms: torch.Tensor, candidates: torch.Tensor, lo: torch.Tensor,
@@ -85,16 +96,16 @@ def prior_distribution(key_norms: torch.Tensor, candidates: torch.Tensor, lo: to
     positions = torch.arange(key_norms.shape[-1], device=key_norms.device)
     span = (hi - lo - 1).clamp(min=1).to(torch.float32)
     u = ((positions[None, :] - lo[:, None]).float() / span[:, None]).clamp(0.0, 1.0)  # [B, T]
-    log_r = torch.zeros_like(key_norms, dtype=torch.float32)
+    log_r = torch.zeros((), dtype=torch.float32, device=key_norms.device)
     if w_norm != 0 and gamma != 0:
-        log_r = log_r + w_norm * (-gamma * torch.log(key_norms.float().clamp(min=1e-12)))
+        log_r = (-w_norm * gamma) * torch.log(key_norms.float().clamp(min=1e-12))
     if w_pos != 0:
-        positional = -beta * u.pow(power)
+        positional = -beta * torch.exp(power * torch.log(u))  # u^p (0 at u = 0)
         if eta != 0:
             positional = positional + eta * torch.log1p(-u)
         log_r = log_r + w_pos * positional[:, None, :]
-    log_r = log_r.masked_fill(~candidates[:, None, :], NEG_INF)
-    return _normalise(torch.softmax(log_r, dim=-1).nan_to_num(0.0), candidates)
+    log_r = log_r.expand_as(key_norms).masked_fill(~candidates[:, None, :], NEG_INF)
+    return torch.softmax(log_r, dim=-1).nan_to_num(0.0)  # sums to 1 over M (0 where M is empty)
 
 
 def fusion_weight(f: torch.Tensor, r: torch.Tensor, cap: float) -> torch.Tensor:
@@ -249,15 +260,51 @@ def _best_pages_order(scores: torch.Tensor, candidates: torch.Tensor, k_per_row:
                       k_max: int, page: int, shift: torch.Tensor | None) -> torch.Tensor:
     """``[B, H, k_max]``: :func:`selection_order` by whole pages without pinned or kept
     positions, the same positions in the same order as the smallest :func:`rank_keys`, found in
-    page space: pages sorted by their best candidate, then only the first pages that hold
-    every row's k candidates are expanded to positions (about K / page pages, not T / page)."""
+    page space (:func:`_chosen_pages`)."""
+    start, usable = _chosen_pages(scores, candidates, k_per_row, page, shift)
+    positions, usable = _expanded(start, usable, scores.shape[-1])
+    rank = usable.cumsum(-1) - 1  # each usable position's place in the order
+    slot = torch.where(usable & (rank < k_max), rank, k_max)
+    out = positions.new_zeros(*positions.shape[:2], k_max + 1).scatter_(-1, slot, positions)
+    return out[..., :k_max]
+
+
+def best_pages_slots(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: torch.Tensor,
+                     page: int, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, H, k_max]``, what :func:`compact_slots` makes of the whole-page
+    :func:`selection_order` without pins or kept positions (increasing positions, slots past a
+    row's k holding its first candidate), without sorting positions: the chosen pages are put
+    in position order and their kept positions packed."""
+    b, h, t = scores.shape
+    k_max = int(k_per_row.max()) if b else 0
+    start, usable = _chosen_pages(scores, candidates, k_per_row, page, shift)
+    flat = usable.flatten(-2)
+    kept = flat & (flat.cumsum(-1) <= k_per_row[:, None, None])  # the first k in rank order
+    by_position = start.argsort(dim=-1)
+    start = start.gather(-1, by_position)
+    kept = kept.view(usable.shape).gather(2, by_position[..., None].expand(usable.shape))
+    positions, kept = _expanded(start, kept, t)
+    slot = torch.where(kept, kept.cumsum(-1) - 1, k_max)
+    first_candidate = candidates.float().argmax(dim=-1)  # [B]
+    out = first_candidate[:, None, None].expand(b, h, k_max + 1).clone()
+    return out.scatter_(-1, slot, positions)[..., :k_max]
+
+
+def _chosen_pages(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: torch.Tensor,
+                  page: int, shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best pages that hold every row's k candidates, best first: ``(start [B, H, m]``, each
+    page's first position (negative for a row's first, shifted page), ``usable [B, H, m,
+    page]``, its positions that lie in the cache and are candidates). Pages are ranked by their
+    best candidate (ties by position), as :func:`rank_keys`; about K / page pages are expanded,
+    not T / page."""
     b, h, t = scores.shape
     pages = page_count(t, page, shift)
     ranked = _ranked(scores, candidates)
     counts = candidates.to(torch.int32)
     if shift is None:  # pages are contiguous runs: pad the last one and reduce in place
         tail = pages * page - t
-        best = F.pad(ranked, (0, tail), value=NEG_INF).view(b, h, pages, page).amax(-1)
+        padded = F.pad(ranked, (0, tail), value=NEG_INF).view(b * h, 1, pages * page)
+        best = F.max_pool1d(padded, page, page).view(b, h, pages)
         counts = F.pad(counts, (0, tail)).view(b, pages, page).sum(-1)
     else:
         page_index = pages_of(t, page, shift, b, scores.device)  # [B, T]
@@ -268,17 +315,23 @@ def _best_pages_order(scores: torch.Tensor, candidates: torch.Tensor, k_per_row:
     held = counts[:, None, :].expand(b, h, pages).gather(-1, order).cumsum(-1)
     needed = int((held < k_per_row[:, None, None]).sum(-1).max()) + 1 if b else 1
     m = min(needed, pages)
-    start = order[..., :m] * page  # [B, H, m] first position of each chosen page
+    start = order[..., :m] * page  # [B, H, m]
     if shift is not None:
         start = start - shift[:, None, None]
-    positions = (start[..., None] + torch.arange(page, device=scores.device)).flatten(-2)
+    positions = start[..., None] + torch.arange(page, device=scores.device)  # [B, H, m, page]
     inside = (positions >= 0) & (positions < t)
-    positions = positions.clamp(0, t - 1)
-    usable = inside & candidates[:, None, :].expand(b, h, t).gather(-1, positions)
-    rank = usable.cumsum(-1) - 1  # each usable position's place in the order
-    slot = torch.where(usable & (rank < k_max), rank, k_max)
-    out = positions.new_zeros(b, h, k_max + 1).scatter_(-1, slot, positions)
-    return out[..., :k_max]
+    flat = positions.clamp(0, t - 1).flatten(-2)
+    usable = inside & candidates[:, None, :].expand(b, h, t).gather(-1, flat).view(inside.shape)
+    return start, usable
+
+
+def _expanded(start: torch.Tensor, usable: torch.Tensor, t: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages ``start [B, H, m]`` with ``usable [B, H, m, page]`` as positions ``[B, H, m *
+    page]`` (clamped into the cache) and their usable flags, flattened."""
+    page = usable.shape[-1]
+    positions = start[..., None] + torch.arange(page, device=start.device)
+    return positions.clamp(0, t - 1).flatten(-2), usable.flatten(-2)
 
 
 def compact_slots(order: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor,
@@ -325,7 +378,7 @@ class SFISelector:
         c = self.config
         m = evidence.candidates
         out: dict[str, torch.Tensor] = {}
-        f = evidence_distribution(evidence.logits, m, c.alpha)
+        f = evidence_distribution(evidence.logits, m, c.alpha, evidence.probabilities)
         out["evidence"] = f
         if c.pool_kernel > 1:
             f = pool_positions(f, m, c.pool_kernel, c.pool)

@@ -52,33 +52,28 @@ def serve_cmd(
 ) -> None:
     """An OpenAI-compatible server with continuous batching over slow-fast decoding."""
 
-    from sfi.hf import context_length
-    from sfi.server.app import create_app, is_loopback, serve
-    from sfi.server.engine import Engine
+    from dataclasses import asdict
 
-    if max_batch < 1 or max_queue < 0:
-        raise SFIError(f"--max-batch must be >= 1 and --max-queue >= 0 (got {max_batch}, "
-                       f"{max_queue})")
-    if prefill_chunk < 0 or max_stall_ms < 0:
-        raise SFIError(f"--prefill-chunk and --max-stall-ms must be >= 0 (got {prefill_chunk}, "
-                       f"{max_stall_ms})")
-    if max_body_mb <= 0:
-        raise SFIError(f"--max-body-mb must be > 0 (got {max_body_mb})")
-    if api_key is not None and not api_key.strip():
-        raise SFIError("--api-key (or SFI_API_KEY) is set but empty")
-    if allowed_host is None:
-        allowed_host = ["127.0.0.1", "localhost", "[::1]", "::1"] if is_loopback(host) else ["*"]
-    if not is_loopback(host) and api_key is None:
+    from sfi.hf import context_length
+    from sfi.server.app import create_app, serve
+    from sfi.server.engine import Engine, EngineLimits
+    from sfi.server.guard import Access
+
+    if prefill_chunk < 0:
+        raise SFIError(f"--prefill-chunk must be >= 0 (0: one forward), got {prefill_chunk}")
+    # the library's own checks, before the model loads
+    limits = EngineLimits(max_batch, max_queue, request_timeout, prefill_chunk or None,
+                          max_stall_ms / 1000, max_kv_tokens)
+    access = Access.listening_on(host, api_key, allowed_host, int(max_body_mb * 2 ** 20))
+    if access.open_to_anyone(host):
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can "
                   "reach this port can use the model")
     name = served_model_name or (Path(model).name if Path(model).exists() else model)
     loaded_model, tokenizer = load_model(model, False, weights=one_format(weights))
-    engine = Engine(loaded_model, tokenizer, config or SFIConfig(), max_batch=max_batch,
-                    max_queue=max_queue, request_timeout=request_timeout,
-                    prefill_chunk=prefill_chunk or None, max_stall=max_stall_ms / 1000,
-                    max_kv_tokens=max_kv_tokens)
-    app_ = create_app(engine, name, context_length(loaded_model), api_key=api_key,
-                      allowed_hosts=allowed_host, max_body_bytes=int(max_body_mb * 2 ** 20))
+    engine = Engine(loaded_model, tokenizer, config or SFIConfig(), **asdict(limits))
+    app_ = create_app(engine, name, context_length(loaded_model), api_key=access.api_key,
+                      allowed_hosts=list(access.allowed_hosts or ()),
+                      max_body_bytes=access.max_body_bytes)
     engine.start()
     serve(engine, app_, host, port)
 

@@ -139,7 +139,7 @@ class EvictionLayer(AttendingLayer, DynamicLayer):
         if narrowed is not None:
             allowed = allowed & narrowed
         plan.reads.append(float(allowed.float().mean()))
-        out, logits = dense_attention(q, keys, values, additive_bias(allowed)[:, :, None, :],
+        out, logits, _ = dense_attention(q, keys, values, additive_bias(allowed)[:, :, None, :],
                                       scale, softcap)
         attention = torch.softmax(logits, dim=-1)  # [B, H, G, T]
         if self.history is not None:

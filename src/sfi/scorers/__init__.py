@@ -40,6 +40,8 @@ class Evidence:
             caller tracks it; None otherwise.
         pads: ``[B]`` each sequence's left padding (its first token's position), for scorers
             that cut the cache into pages; None: no padding.
+        probabilities: ``[B, H, N, T]`` the softmax of ``logits`` where the engine computed it
+            for the step's own attention; None: :meth:`attention` computes it.
     """
 
     logits: torch.Tensor
@@ -53,6 +55,7 @@ class Evidence:
     keys: torch.Tensor | None = None
     history: torch.Tensor | None = None
     pads: torch.Tensor | None = None
+    probabilities: torch.Tensor | None = None
 
     def subset(self, index: torch.Tensor) -> Evidence:
         """The evidence of the sequences ``index [n]`` only."""
@@ -62,12 +65,13 @@ class Evidence:
         return replace(self, logits=take(self.logits), key_norms=take(self.key_norms),
                        candidates=take(self.candidates), lo=take(self.lo), hi=take(self.hi),
                        query=take(self.query), keys=take(self.keys), history=take(self.history),
-                       pads=take(self.pads))
+                       pads=take(self.pads), probabilities=take(self.probabilities))
 
     def attention(self) -> torch.Tensor:
         """``[B, H, N, T]`` each row's softmax over the keys it may see (0 for a row that may
         see nothing)."""
-        return torch.softmax(self.logits.float(), dim=-1).nan_to_num(0.0)
+        p = self.probabilities
+        return (torch.softmax(self.logits.float(), dim=-1) if p is None else p).nan_to_num(0.0)
 
 
 def key_norms_of(keys: torch.Tensor) -> torch.Tensor:
@@ -82,13 +86,15 @@ def make_evidence(logits: torch.Tensor, layer_idx: int, lo: torch.Tensor, hi: to
                   keys: torch.Tensor | None = None, key_norms: torch.Tensor | None = None,
                   candidates: torch.Tensor | None = None, queries: int = 1,
                   query: torch.Tensor | None = None, history: torch.Tensor | None = None,
-                  pads: torch.Tensor | None = None) -> Evidence:
+                  pads: torch.Tensor | None = None, attention: torch.Tensor | None = None
+                  ) -> Evidence:
     """The one way a slow step's :class:`Evidence` is made, in either engine.
 
     ``key_norms [B, H, T]`` where the caller keeps them, else computed from ``keys
     [B, H, T, D]``; ``candidates [B, T]`` where the caller has them, else the region
     ``lo <= position < hi`` of each sequence. The keys travel with the evidence when there are
     evidence queries (``query [B, H, N, D]``: scorers that bound q.k by pages need both).
+    ``attention [B, H, N, T]``: the softmax of ``logits`` where the caller has it.
     """
     if key_norms is None:
         if keys is None:
@@ -100,7 +106,8 @@ def make_evidence(logits: torch.Tensor, layer_idx: int, lo: torch.Tensor, hi: to
         candidates = (positions >= bounds[0]) & (positions < bounds[1])
     return Evidence(logits=logits, key_norms=key_norms, candidates=candidates, lo=lo, hi=hi,
                     layer_idx=layer_idx, queries=queries, query=query,
-                    keys=keys if query is not None else None, history=history, pads=pads)
+                    keys=keys if query is not None else None, history=history, pads=pads,
+                    probabilities=attention)
 
 
 @runtime_checkable

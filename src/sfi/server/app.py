@@ -18,9 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sfi.errors import SFIError
 from sfi.server.engine import Engine
-from sfi.server.guard import Guard, is_loopback
+from sfi.server.guard import Access, Guard, is_loopback
 from sfi.server.requests import QueueFullError
 from sfi.server.responses import ChatFormat, CompletionFormat, ServerState, admit, prepare, respond
 from sfi.server.schemas import APIError, ChatRequest, CompletionRequest, error_response
@@ -175,8 +174,8 @@ def create_app(engine: Engine, model_name: str, context_limit: int | None, *,
         allowed_hosts: Host header names answered (``["*"]`` or None: any).
         max_body_bytes: larger request bodies get 413.
     """
-    if api_key is not None and not api_key:
-        raise SFIError("the API key is empty")
+    access = Access(api_key, None if allowed_hosts is None else tuple(allowed_hosts),
+                    max_body_bytes)
     app = FastAPI(title="sfi", description="Slow-Fast Inference, OpenAI-compatible")
     app.state.sfi = ServerState(engine, model_name, context_limit,
                                 longest_token_chars(engine.tokenizer))
@@ -185,8 +184,7 @@ def create_app(engine: Engine, model_name: str, context_limit: int | None, *,
     app.add_exception_handler(QueueFullError, _queue_full)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
-    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts,
-                       max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, access=access)
     app.include_router(router)
     return app
 

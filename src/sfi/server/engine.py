@@ -58,6 +58,34 @@ class _Join:
         return self.ids.shape[1]
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """The limits an :class:`Engine` runs under (its arguments of the same names), checked
+    when made, so that a command line can check them before it loads a model."""
+
+    max_batch: int = 8
+    max_queue: int = 64
+    request_timeout: float | None = None
+    prefill_chunk: int | None = 128
+    max_stall: float = 0.4
+    max_kv_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise SFIError(f"max_batch must be >= 1 (got {self.max_batch})")
+        if self.max_queue < 0:
+            raise SFIError(f"max_queue must be >= 0 (got {self.max_queue})")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise SFIError(f"prefill_chunk must be >= 1 token, or None for one forward "
+                           f"(got {self.prefill_chunk})")
+        if self.max_stall < 0:
+            raise SFIError(f"max_stall must be >= 0 seconds (got {self.max_stall})")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
+            raise SFIError(f"max_kv_tokens must be >= 1 (got {self.max_kv_tokens})")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise SFIError(f"request_timeout must be > 0 seconds (got {self.request_timeout})")
+
+
 class Engine:
     """The decode loop of a server: continuous batching over slow-fast decoding.
 
@@ -86,24 +114,14 @@ class Engine:
                  max_batch: int = 8, max_queue: int = 64, request_timeout: float | None = None,
                  prefill_chunk: int | None = 128, max_stall: float = 0.4,
                  max_kv_tokens: int | None = None):
-        if max_batch < 1 or max_queue < 0:
-            raise SFIError("max_batch must be >= 1 and max_queue >= 0")
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise SFIError(f"prefill_chunk must be >= 1 token (got {prefill_chunk})")
-        self.prefill_chunk = prefill_chunk
-        if max_stall < 0:
-            raise SFIError(f"max_stall must be >= 0 seconds (got {max_stall})")
-        self.max_stall = max_stall
+        limits = EngineLimits(max_batch, max_queue, request_timeout, prefill_chunk, max_stall,
+                              max_kv_tokens)
+        self.max_batch, self.max_queue = limits.max_batch, limits.max_queue
+        self.request_timeout, self.prefill_chunk = limits.request_timeout, limits.prefill_chunk
+        self.max_stall, self.max_kv_tokens = limits.max_stall, limits.max_kv_tokens
         self._step_done = 0.0  # when the last decode step ended (perf_counter)
-        if max_kv_tokens is not None and max_kv_tokens < 1:
-            raise SFIError(f"max_kv_tokens must be >= 1 (got {max_kv_tokens})")
-        self.max_kv_tokens = max_kv_tokens
-        if request_timeout is not None and request_timeout <= 0:
-            raise SFIError(f"request_timeout must be > 0 seconds (got {request_timeout})")
-        self.request_timeout = request_timeout
         self.model, self.tokenizer = model, tokenizer
         self.config = config if config is not None else SFIConfig()
-        self.max_batch, self.max_queue = max_batch, max_queue
         self.kv_bytes = 0  # what the running batch's slab holds (set by the engine thread)
         self.metrics = EngineMetrics()
         self.eos = eos_token_ids(model, tokenizer)

@@ -1,13 +1,48 @@
-"""The ASGI middleware in front of every route (Host header, API key, body size) and the
+"""Who may use the server: :class:`Access` (the API key, the Host names answered, the body
+limit, checked once), the ASGI middleware that enforces it in front of every route, and the
 loopback check of the address the server listens on."""
 
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sfi.errors import SFIError
 from sfi.server.schemas import error_response
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+@dataclass(frozen=True)
+class Access:
+    """What the :class:`Guard` enforces: ``api_key`` (None: open), ``allowed_hosts`` (Host
+    header names answered; None or ``"*"`` among them: any), ``max_body_bytes``."""
+
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] | None = None
+    max_body_bytes: int = 4 * 2 ** 20
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise SFIError("the API key is set but empty")
+        if self.max_body_bytes <= 0:
+            raise SFIError(f"the request body limit must be > 0 bytes (got {self.max_body_bytes})")
+
+    @classmethod
+    def listening_on(cls, host: str, api_key: str | None = None,
+                     allowed_hosts: list[str] | None = None,
+                     max_body_bytes: int = 4 * 2 ** 20) -> Access:
+        """The access of a server listening on ``host``: unless given, the Host names answered
+        are the loopback names on a loopback address and any name elsewhere."""
+        if allowed_hosts is None:
+            allowed_hosts = list(LOOPBACK_NAMES) if is_loopback(host) else ["*"]
+        return cls(api_key, tuple(allowed_hosts), max_body_bytes)
+
+    def open_to_anyone(self, host: str) -> bool:
+        """Whether whoever reaches ``host`` may use the model (no key, not loopback)."""
+        return self.api_key is None and not is_loopback(host)
 
 
 async def _send_error(send: Send, status: int, message: str, kind: str, code: str,
@@ -23,11 +58,10 @@ class Guard:
     API key on ``/v1/*`` (constant-time comparison; ``/health`` and ``/metrics`` stay open), and
     the body size (413 past ``max_body_bytes``, counted as the body arrives)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, allowed_hosts: list[str] | None,
-                 max_body_bytes: int):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.allowed_hosts = None if not allowed_hosts or "*" in allowed_hosts \
-            else {h.lower() for h in allowed_hosts}
+    def __init__(self, app: ASGIApp, access: Access):
+        self.app, self.api_key, self.max_body_bytes = app, access.api_key, access.max_body_bytes
+        hosts = access.allowed_hosts
+        self.allowed_hosts = None if not hosts or "*" in hosts else {h.lower() for h in hosts}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
