@@ -9,7 +9,7 @@ from conftest import tiny_model
 
 from sfi import SFIConfig, SlowFastCache
 from sfi.hf import cache_argument
-from sfi.overlap import InlineRebuilder, StagedCompact, make_rebuilder
+from sfi.overlap import StackingRebuilder, StagedCompact, make_rebuilder
 
 
 class DeferredRebuilder:
@@ -24,11 +24,14 @@ class DeferredRebuilder:
 
     asynchronous = True
 
-    def submit(self, rows, rebuild, inputs, width) -> StagedCompact:
+    def submit(self, refresh, inputs) -> StagedCompact:
         self.submitted += 1
-        keys, values, positions = rebuild()
-        return StagedCompact(rows, keys, values, positions, width, lambda: self.released,
-                             lambda: None)
+        keys, values, positions = refresh.run()
+        return StagedCompact(refresh.rows, keys, values, positions, refresh.width,
+                             lambda: self.released, lambda: None)
+
+    def flush(self) -> None:
+        return None
 
 
 def test_rows_read_densely_until_their_rebuild_is_ready():
@@ -63,5 +66,5 @@ def test_rows_read_densely_until_their_rebuild_is_ready():
         assert layer.pending is None and layer.compact_positions is not None
 
 
-def test_inline_on_cpu():
-    assert isinstance(make_rebuilder(torch.device("cpu"), overlap=True), InlineRebuilder)
+def test_stacked_over_layers_on_cpu():
+    assert isinstance(make_rebuilder(torch.device("cpu"), overlap=True), StackingRebuilder)

@@ -108,6 +108,9 @@ class SlowFastCache(Cache):
     def end_forward(self, step: StepContext) -> None:
         """The planned forward ran: commit its plan and record what it did."""
         plan: StepPlan = step.plan
+        self.rebuilder.flush()  # the forward's refreshes, stacked over its layers
+        for layer in self._sfi_layers():
+            layer.settle()  # commit what is ready (inside the forward's inference mode)
         self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
         self._kinds = self.planner.executed_kinds(plan, step.lagged)
 

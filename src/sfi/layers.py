@@ -27,10 +27,11 @@ from sfi.context import StepContext, current_step
 from sfi.coverage import missing_rows, unheld_pages
 from sfi.errors import SFIError
 from sfi.kernels import dense_attention, fast_attention, window_logits
+from sfi.overlap import Refresh
 from sfi.planner import Probe, SlowRows, StepPlan
 from sfi.rows import Rows
 from sfi.scorers import make_evidence
-from sfi.selection import PreviousSelection, previous_selection, select_groups
+from sfi.selection import PreviousSelection, previous_selection
 from sfi.slab import SlabLayer
 
 
@@ -174,16 +175,13 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
                                  queries=queries, query=query, pads=slow.pads,
                                  attention=attention)
         previous = self._previous_selection(slow)
-
-        def rebuild() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            selected = select_groups(slow.groups, evidence, slow.k, slow.pins, previous)
-            return self.pack(slow, selected)
-
+        refresh = Refresh(slow.rows, evidence, slow.groups, slow.k, slow.pins, previous,
+                          lambda selected: self.pack(slow, selected), step.plan.compact_width)
         inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sinks,
                   slow.sink_positions, self._keys, self._values]
         held = (previous.selected, previous.pinned) if previous is not None else ()
         inputs += [t for t in (query, cached_keys, attention, *held) if t is not None]
-        self.pending = step.rebuilder.submit(slow.rows, rebuild, inputs, step.plan.compact_width)
+        self.pending = step.rebuilder.submit(refresh, inputs)
         self.settle()
 
     def _previous_selection(self, slow: SlowRows) -> PreviousSelection | None:

@@ -1,21 +1,26 @@
-"""Where a slow step's Selector and compact rebuild run: inline, or on a CUDA side stream.
+"""Where a slow step's Selector and compact rebuild run: stacked over layers, inline, or on a
+CUDA side stream.
 
 METHOD.md section 4: the reference overlaps the Selector and the rebuild of the compact buffer
 with the following layers' work on a second CUDA stream; a sequence whose rebuild is not ready
 yet reads densely. A rebuild is staged (packed into separate tensors) and committed into the
-layer's compact buffer when its layer next runs and finds it ready. On CPU it runs inline and
-commits at once.
+layer's compact buffer when its layer next runs and finds it ready. On CPU the refreshes of a
+step wait until its forward ends and are selected together, every layer's evidence stacked
+into one call (:class:`StackingRebuilder`; the Selector's cost is mostly per operation, not
+per position, at these sizes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from sfi.rows import Rows
+from sfi.scorers import Evidence, stack_evidence
+from sfi.selection import PreviousSelection, SelectionGroup, select_groups
 
 
 @dataclass
@@ -40,17 +45,56 @@ class StagedCompact:
     wait: Callable[[], None]
 
 
-Rebuild = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Refresh:
+    """One layer's refresh of some rows: select from the evidence (stages 1-6,
+    :func:`sfi.selection.select_groups`), then ``pack`` the slots ``[n, H, k]`` into
+    ``(keys, values, positions)`` of the new compact memory, ``width`` slots planned."""
+
+    rows: Rows
+    evidence: Evidence
+    groups: Sequence[SelectionGroup]
+    k: torch.Tensor
+    pins: torch.Tensor
+    previous: PreviousSelection | None
+    pack: Callable[[torch.Tensor], Packed]
+    width: int
+
+    def select(self) -> torch.Tensor:
+        return select_groups(self.groups, self.evidence, self.k, self.pins, self.previous)
+
+    def run(self) -> Packed:
+        return self.pack(self.select())
+
+    def stack_key(self) -> tuple | None:
+        """Refreshes with equal keys can be selected in one call, their evidence stacked
+        along the rows (None: this one cannot: several groups, or a scorer that looks past
+        each row's own evidence)."""
+        if len(self.groups) != 1 or self.groups[0].rows is not None:
+            return None
+        group, e = self.groups[0], self.evidence
+        if not getattr(group.scorer, "scores_rows_alone", False):
+            return None
+        previous = self.previous or PreviousSelection()
+        return (id(group.scorer), group.rule, tuple(e.logits.shape[1:]),
+                e.probabilities is not None, e.pads is not None,
+                previous.selected is not None, previous.pinned is not None)
 
 
 class Rebuilder(Protocol):
-    """Runs a rebuild (scorer + top-K + packing) and hands back its staged result."""
+    """Runs refreshes (scorer + top-K + packing) and hands back their staged results."""
 
     asynchronous: bool
 
-    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor],
-               width: int) -> StagedCompact:
-        """``inputs`` are the tensors the rebuild reads (kept alive for another stream)."""
+    def submit(self, refresh: Refresh, inputs: list[torch.Tensor]) -> StagedCompact:
+        """``inputs`` are the tensors the refresh reads (kept alive for another stream)."""
+        ...
+
+    def flush(self) -> None:
+        """Finish every refresh submitted so far (the end of a forward)."""
         ...
 
 
@@ -67,10 +111,81 @@ class InlineRebuilder:
 
     asynchronous = False
 
-    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor],
-               width: int) -> StagedCompact:
-        keys, values, positions = rebuild()
-        return StagedCompact(rows, keys, values, positions, width, _always, _nothing)
+    def submit(self, refresh: Refresh, inputs: list[torch.Tensor]) -> StagedCompact:
+        keys, values, positions = refresh.run()
+        return StagedCompact(refresh.rows, keys, values, positions, refresh.width, _always,
+                             _nothing)
+
+    def flush(self) -> None:
+        return None
+
+
+class StackingRebuilder:
+    """Keeps a forward's refreshes until it ends (:meth:`flush`, or ``limit_bytes`` of
+    evidence waiting), then selects those that can go together in one call per kind
+    (:meth:`Refresh.stack_key`: the rows of every layer stacked; the rest one by one) and packs
+    each layer's memory. A refresh is staged until then: its rows have no new memory before the
+    forward's end, and none needs one (the layer's next use is the next forward)."""
+
+    asynchronous = False
+
+    def __init__(self, limit_bytes: int = 64 * 2 ** 20):
+        self.limit_bytes = limit_bytes
+        self._waiting: list[tuple[Refresh, StagedCompact]] = []
+        self._bytes = 0
+
+    def submit(self, refresh: Refresh, inputs: list[torch.Tensor]) -> StagedCompact:
+        staged = StagedCompact(refresh.rows, None, None, None, refresh.width,  # type: ignore[arg-type]
+                               lambda: staged.keys is not None, self.flush)
+        if refresh.stack_key() is None:
+            _land(staged, refresh.run())
+            return staged
+        self._waiting.append((refresh, staged))
+        e = refresh.evidence
+        self._bytes += sum(t.numel() * t.element_size() for t in (e.logits, e.probabilities)
+                           if t is not None)
+        if self._bytes > self.limit_bytes:
+            self.flush()
+        return staged
+
+    def flush(self) -> None:
+        waiting, self._waiting, self._bytes = self._waiting, [], 0
+        kinds: dict[tuple, list[tuple[Refresh, StagedCompact]]] = {}
+        for refresh, staged in waiting:
+            kinds.setdefault(refresh.stack_key(), []).append((refresh, staged))  # type: ignore[arg-type]
+        for together in kinds.values():
+            refreshes = [r for r, _ in together]
+            for (refresh, staged), slots in zip(together, _select_stacked(refreshes)):
+                _land(staged, refresh.pack(slots))
+
+
+def _select_stacked(refreshes: list[Refresh]) -> list[torch.Tensor]:
+    """Each refresh's slots ``[n_i, H, k_i]``, selected in one call over the stacked rows (the
+    same as selecting each alone: every stage works row by row)."""
+    if len(refreshes) == 1:
+        return [refreshes[0].select()]
+    first = refreshes[0]
+    previous = None
+    if first.previous is not None:
+        parts = [r.previous for r in refreshes]
+        previous = PreviousSelection(*(
+            None if getattr(first.previous, name) is None
+            else torch.cat([getattr(p, name) for p in parts])  # type: ignore[arg-type]
+            for name in ("selected", "pinned")))
+    stacked = Refresh(first.rows, stack_evidence([r.evidence for r in refreshes]), first.groups,
+                      torch.cat([r.k for r in refreshes]), torch.cat([r.pins for r in refreshes]),
+                      previous, first.pack, first.width)
+    slots = stacked.select()
+    out, start = [], 0
+    for r in refreshes:
+        n = len(r.k)
+        out.append(slots[start: start + n, :, : int(r.k.max())])
+        start += n
+    return out
+
+
+def _land(staged: StagedCompact, packed: Packed) -> None:
+    staged.keys, staged.values, staged.positions = packed
 
 
 class SideStreamRebuilder:
@@ -81,14 +196,13 @@ class SideStreamRebuilder:
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device=device)
 
-    def submit(self, rows: Rows, rebuild: Rebuild, inputs: list[torch.Tensor],
-               width: int) -> StagedCompact:
+    def submit(self, refresh: Refresh, inputs: list[torch.Tensor]) -> StagedCompact:
         main = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(main)
         for tensor in inputs:  # memory made on the main stream, read on the side stream
             tensor.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
-            keys, values, positions = rebuild()
+            keys, values, positions = refresh.run()
             done = torch.cuda.Event()
             done.record(self.stream)
 
@@ -97,10 +211,15 @@ class SideStreamRebuilder:
             for tensor in (keys, values, positions):
                 tensor.record_stream(main)
 
-        return StagedCompact(rows, keys, values, positions, width, done.query, wait)
+        return StagedCompact(refresh.rows, keys, values, positions, refresh.width, done.query,
+                             wait)
+
+    def flush(self) -> None:
+        return None
 
 
 def make_rebuilder(device: torch.device, overlap: bool) -> Rebuilder:
+    """A side stream on CUDA (with ``overlap``), else refreshes stacked over layers."""
     if overlap and device.type == "cuda":
         return SideStreamRebuilder(device)
-    return InlineRebuilder()
+    return StackingRebuilder() if device.type == "cpu" else InlineRebuilder()

@@ -18,6 +18,7 @@ Shapes: B sequences, H KV heads, N evidence rows, T positions. Positions outside
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +55,15 @@ def evidence_distribution(logits: torch.Tensor, candidates: torch.Tensor,
     ``[B, H, N, T]`` where the caller has them already (the slow step's own softmax).
     """
     p = attention if attention is not None else torch.softmax(logits.float(), dim=-1)
-    p = p.nan_to_num(0.0)
+    n = p.shape[-2]  # a row that sees nothing is NaN: nansum counts it as 0
     if alpha == 0:
-        f = torch.exp(torch.log(p).mean(dim=-2))
+        f = torch.exp(torch.log(p.nan_to_num(0.0)).mean(dim=-2))
     elif alpha == 1:
-        f = p.mean(dim=-2)
+        f = p.nansum(dim=-2) / n
+    elif alpha == 0.5:
+        f = (p.sqrt().nansum(dim=-2) / n).square()
     else:
-        f = p.pow(alpha).mean(dim=-2).pow(1.0 / alpha)
+        f = (p.pow(alpha).nansum(dim=-2) / n).pow(1.0 / alpha)
     return _normalise(f, _inside(candidates))  # restricting each p_r to M, or f: the same
 
 
@@ -157,8 +160,11 @@ def exclusivity(log_s: torch.Tensor, candidates: torch.Tensor, temperature: floa
     """
     if strength == 0 or log_s.shape[1] < min_heads:
         return log_s
-    log_rho = torch.log_softmax(log_s / temperature, dim=1)
-    out = log_s + strength * log_rho
+    scaled = log_s / temperature
+    log_total = scaled[:, 0]  # log sum_h exp(scaled_h), head by head (H is small)
+    for h in range(1, scaled.shape[1]):
+        log_total = torch.logaddexp(log_total, scaled[:, h])
+    out = log_s + strength * (scaled - log_total[:, None])  # log rho_h
     return out.masked_fill(~candidates[:, None, :], NEG_INF)
 
 
@@ -301,11 +307,10 @@ def _chosen_pages(scores: torch.Tensor, candidates: torch.Tensor, k_per_row: tor
     pages = page_count(t, page, shift)
     ranked = _ranked(scores, candidates)
     counts = candidates.to(torch.int32)
-    if shift is None:  # pages are contiguous runs: pad the last one and reduce in place
-        tail = pages * page - t
-        padded = F.pad(ranked, (0, tail), value=NEG_INF).view(b * h, 1, pages * page)
-        best = F.max_pool1d(padded, page, page).view(b, h, pages)
-        counts = F.pad(counts, (0, tail)).view(b, pages, page).sum(-1)
+    if shift is None:  # pages are contiguous runs (the last one may be short)
+        best = F.max_pool1d(ranked.view(b * h, 1, t), page, page, ceil_mode=True)
+        best = best.view(b, h, pages)
+        counts = F.pad(counts, (0, pages * page - t)).view(b, pages, page).sum(-1)
     else:
         page_index = pages_of(t, page, shift, b, scores.device)  # [B, T]
         best = ranked.new_full((b, h, pages), NEG_INF).scatter_reduce(
@@ -371,6 +376,7 @@ class SFISelector:
     """
 
     config: SFIConfig
+    scores_rows_alone: ClassVar[bool] = True  # every stage works row by row (sfi.scorers)
 
     def stages(self, evidence: Evidence) -> dict[str, torch.Tensor]:
         """The score ``[B, H, T]`` after each stage, in order: ``evidence`` (f), ``pooled``

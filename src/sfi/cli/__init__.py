@@ -17,6 +17,7 @@ from sfi.cli import bench, evaluate, generate, serve
 from sfi.cli.common import err
 from sfi.cli_options import build_config
 from sfi.errors import SFIError
+from sfi.runtime import keep_freed_memory
 
 __all__ = ["app", "build_config", "main"]
 
@@ -40,7 +41,9 @@ for _name, _command in COMMANDS:
 
 
 def main() -> None:
-    """The ``sfi`` command: bad input ends with its message and exit status 2."""
+    """The ``sfi`` command: bad input ends with its message and exit status 2. The process
+    keeps freed memory for reuse (:func:`sfi.runtime.keep_freed_memory`)."""
+    keep_freed_memory()
     try:
         app()
     except SFIError as exc:

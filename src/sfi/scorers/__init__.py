@@ -9,6 +9,7 @@ is just another scorer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
@@ -110,9 +111,29 @@ def make_evidence(logits: torch.Tensor, layer_idx: int, lo: torch.Tensor, hi: to
                     probabilities=attention)
 
 
+def stack_evidence(parts: Sequence[Evidence]) -> Evidence:
+    """The evidence of several refreshes (several layers of one step) as one, their rows
+    stacked in order, for scorers with ``scores_rows_alone`` (see :class:`Scorer`): the
+    queries, keys and history are left out; ``layer_idx`` is the first part's."""
+    def cat(name: str) -> torch.Tensor | None:
+        tensors = [getattr(e, name) for e in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    first = parts[0]
+    return Evidence(logits=cat("logits"), key_norms=cat("key_norms"),  # type: ignore[arg-type]
+                    candidates=cat("candidates"), lo=cat("lo"), hi=cat("hi"),  # type: ignore[arg-type]
+                    layer_idx=first.layer_idx, queries=first.queries, pads=cat("pads"),
+                    probabilities=cat("probabilities"))
+
+
 @runtime_checkable
 class Scorer(Protocol):
-    """Ranks candidate positions from a slow step's evidence."""
+    """Ranks candidate positions from a slow step's evidence.
+
+    A scorer whose class sets ``scores_rows_alone = True`` scores each row from that row's
+    logits, probabilities, key norms and region alone (never the queries, keys, history or
+    ``layer_idx``): the evidence of several layers may then be stacked into one call
+    (:func:`stack_evidence`)."""
 
     def score(self, evidence: Evidence) -> torch.Tensor:
         """Return ``[B, H, T]`` scores (larger keeps); only candidate positions are read."""
