@@ -20,6 +20,7 @@ from sfi.errors import (
 from sfi.hf import routed
 from sfi.methods import build_cache
 from sfi.models import load
+from sfi.runtime import keep_freed_memory
 from sfi.scorers import Evidence, Scorer
 from sfi.selector import SFISelector
 from sfi.stats import DecodeStats
@@ -42,6 +43,7 @@ __all__ = [
     "UnsupportedModelError",
     "build_cache",
     "generate",
+    "keep_freed_memory",
     "load",
     "register_attention",
     "routed",

@@ -129,7 +129,7 @@ class StackingRebuilder:
 
     asynchronous = False
 
-    def __init__(self, limit_bytes: int = 64 * 2 ** 20):
+    def __init__(self, limit_bytes: int = 16 * 2 ** 20):
         self.limit_bytes = limit_bytes
         self._waiting: list[tuple[Refresh, StagedCompact]] = []
         self._bytes = 0
