@@ -168,3 +168,63 @@ def test_the_plugin_runs_in_vllm_worker_processes(default_path, essay_prompts, s
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
     assert lines, done.stderr[-3000:]
     assert json.loads(lines[0][len("TOKENS "):]) == expected
+
+
+TP_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == '__main__':
+    folder, engine, prompts = json.loads(sys.stdin.read())
+    llm = LLM(model=folder, tensor_parallel_size=2, distributed_executor_backend='mp', **engine)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = llm.generate([{'prompt_token_ids': p} for p in prompts], params, use_tqdm=False)
+    print('TOKENS', json.dumps([list(o.outputs[0].token_ids) for o in out]))
+"""
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="two CPU processes; on a GPU machine, two GPUs")
+def test_tensor_parallel_ranks_decide_as_one_rank(tmp_path_factory, tokenizer, essay_prompts):
+    """Two tensor-parallel ranks (one KV head each) give the tokens of one rank holding both,
+    with the coverage probes on and flagging: every rank ORs the ranks' flags before it
+    decides, so the ranks' slow/fast decisions are one rank's."""
+    from conftest import close_engine, make_engine, save_tiny
+
+    folder = save_tiny("qwen2", tmp_path_factory.mktemp("tp"), tokenizer)
+    prompts = essay_prompts[:2]
+    one = make_engine(folder)
+    try:
+        expected = generate(one, prompts, COVERAGE)
+        reasons = dict(stats().reasons)
+    finally:
+        close_engine(one)
+    assert reasons.get("coverage", 0) >= 2, reasons  # the probes flag, so ranks could diverge
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (one NUMA node here)
+    env["SFI_VLLM"] = ",".join(f"{name}={getattr(COVERAGE, name)}" for name in (
+        "k_head", "recent", "refresh_interval", "min_refresh_gap", "coverage_layers"))
+    done = subprocess.run([sys.executable, "-c", TP_SCRIPT],
+                          input=json.dumps([str(folder), ENGINE, prompts]),
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert lines, done.stderr[-3000:]
+    assert json.loads(lines[0][len("TOKENS "):]) == expected
+
+
+def test_what_sfi_cannot_run_under_is_refused_by_name():
+    """Pipeline parallelism and speculative decoding are refused (at engine start with
+    SFI_VLLM set, or at the first step after :func:`sfi.vllm.configure`), naming the flag."""
+    from types import SimpleNamespace as Config
+
+    from sfi.vllm.metadata import refuse_unsupported
+
+    def engine(pipeline: int = 1, speculative: object = None) -> Config:
+        return Config(cache_config=Config(enable_prefix_caching=False, cache_dtype="auto"),
+                      parallel_config=Config(decode_context_parallel_size=1,
+                                             pipeline_parallel_size=pipeline),
+                      speculative_config=speculative)
+
+    refuse_unsupported(engine())
+    with pytest.raises(RuntimeError, match=r"pipeline parallelism.*--pipeline-parallel-size 1"):
+        refuse_unsupported(engine(pipeline=2))
+    with pytest.raises(RuntimeError, match="speculative decoding"):
+        refuse_unsupported(engine(speculative=Config(method="ngram")))

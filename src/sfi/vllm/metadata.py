@@ -60,6 +60,45 @@ def _last_tokens(ids: torch.Tensor | None, query_start: list[int], rows: int
     return ids.index_select(0, last.to(ids.device)).tolist()
 
 
+def refuse_unsupported(vllm_config: Any) -> None:
+    """Raise, naming it, what an engine with SFI on cannot run: prefix caching, a quantized KV
+    cache, decode context parallelism, pipeline parallelism (later stages get no input ids,
+    and each stage would decide alone) and speculative decoding (its verify rows are several
+    queries per request, and the drafter's metadata would make a second plan per step)."""
+    cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
+    if cache.enable_prefix_caching:
+        raise RuntimeError("SFI in vLLM needs prefix caching off "
+                           "(--no-enable-prefix-caching, or enable_prefix_caching=False)")
+    if cache.cache_dtype not in ("auto", None):
+        raise RuntimeError("SFI in vLLM needs an unquantized KV cache (kv_cache_dtype=auto), "
+                           f"not {cache.cache_dtype!r}")
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        raise RuntimeError("SFI in vLLM does not support decode context parallelism "
+                           "(--decode-context-parallel-size 1)")
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise RuntimeError("SFI in vLLM does not support pipeline parallelism "
+                           "(--pipeline-parallel-size 1; tensor parallelism is supported)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise RuntimeError("SFI in vLLM does not support speculative decoding "
+                           "(no --speculative-config), or unset SFI_VLLM")
+
+
+def _share_coverage(requests: RequestBook, device: torch.device) -> None:
+    """Under tensor parallelism each rank probes only its own KV heads: OR every rank's
+    coverage flags (one all-reduce of a flag per slot, each step that probes), so that every
+    rank decides what one rank holding all heads would."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_world_size,
+        tensor_model_parallel_all_reduce,
+    )
+
+    if not requests.config.coverage_layers or get_tensor_model_parallel_world_size() == 1:
+        return
+    flags = torch.tensor(requests.coverage_flags(), dtype=torch.float32, device=device)
+    total = tensor_model_parallel_all_reduce(flags)
+    requests.set_coverage_flags([bool(f > 0) for f in total.tolist()])
+
+
 def _book_for(vllm_config: Any) -> RequestBook | None:
     """The request book of the configuration in force (made at its first step), or None with
     SFI off."""
@@ -67,15 +106,7 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
     if config is None:
         return None
     if generation not in _BOOKS:
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise RuntimeError("SFI in vLLM needs prefix caching off "
-                               "(--no-enable-prefix-caching, or enable_prefix_caching=False)")
-        if vllm_config.cache_config.cache_dtype not in ("auto", None):
-            raise RuntimeError("SFI in vLLM needs an unquantized KV cache (kv_cache_dtype=auto), "
-                               f"not {vllm_config.cache_config.cache_dtype!r}")
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            raise RuntimeError("SFI in vLLM does not support decode context parallelism "
-                               "(--decode-context-parallel-size 1)")
+        refuse_unsupported(vllm_config)
         capacity = slot_capacity(config, vllm_config.model_config.max_model_len)
         classes = None
         if config.trigger == "sentence":
@@ -188,6 +219,7 @@ class SFIMetadata:
                 "SFI's sentence trigger needs the input tokens, which sfi records for the "
                 f"architectures {', '.join(TOKEN_ARCHITECTURES)}; this model is not one of "
                 "them: set trigger=fixed (and a period) in SFI_VLLM")
+        _share_coverage(requests, self.common.slot_mapping.device)
         self.plans = requests.plan(self.keys, self.query_lens, self.seq_lens, tokens)
         self.refreshing = [p for p in self.plans if p.kind in (SLOW, SELECT)]
         self.recording = [p for p in self.plans if p.record]
@@ -224,6 +256,11 @@ class SFIBuilder:
     :class:`SFIMetadata`, and the stock ``build`` runs once per part of the batch."""
 
     supports_update_block_table = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if active_config()[0] is not None:  # SFI_VLLM set: refuse at engine start
+            refuse_unsupported(self.vllm_config)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:

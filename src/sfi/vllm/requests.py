@@ -276,6 +276,20 @@ class RequestBook:
         state.length += 1
         return RowPlan(row, FAST, state.slot, t, length=state.length)
 
+    def coverage_flags(self) -> list[bool]:
+        """Per slot, whether its request is flagged by a probe (see :meth:`share_coverage`)."""
+        flags = [False] * self.slots
+        for state in self.requests.values():
+            if state.slot is not None:
+                flags[state.slot] = state.seq.coverage_miss
+        return flags
+
+    def set_coverage_flags(self, flags: list[bool]) -> None:
+        """Flag each slot's request as ``flags`` says (the flags of every rank, OR-ed)."""
+        for state in self.requests.values():
+            if state.slot is not None:
+                state.seq.coverage_miss = flags[state.slot]
+
     def flag_coverage_miss(self, slot: int) -> None:
         """A probe layer found the memory in ``slot`` missing attention mass: its request
         refreshes once ``coverage_gap`` steps have passed (:func:`decode_decision`)."""
