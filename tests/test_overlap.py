@@ -4,12 +4,13 @@ This exercises, on CPU, the mechanism the CUDA side stream uses (METHOD.md secti
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_model
 
 from sfi import SFIConfig, SlowFastCache
 from sfi.hf import cache_argument
-from sfi.overlap import StackingRebuilder, StagedCompact, make_rebuilder
+from sfi.overlap import InlineRebuilder, StackingRebuilder, StagedCompact, make_rebuilder
 
 
 class DeferredRebuilder:
@@ -31,6 +32,9 @@ class DeferredRebuilder:
                              lambda: self.released, lambda: None)
 
     def flush(self) -> None:
+        return None
+
+    def discard(self) -> None:
         return None
 
 
@@ -68,3 +72,63 @@ def test_rows_read_densely_until_their_rebuild_is_ready():
 
 def test_stacked_over_layers_on_cpu():
     assert isinstance(make_rebuilder(torch.device("cpu"), overlap=True), StackingRebuilder)
+
+
+def _decode(model, cache, ids, steps):
+    """Prefill ``ids`` then ``steps`` greedy steps; the last logits and every layer's memory."""
+    key = cache_argument(model)
+    tokens, logits = ids, []
+    with torch.inference_mode():
+        for _ in range(steps):
+            out = model(input_ids=tokens, use_cache=True, **{key: cache}).logits[:, -1]
+            logits.append(out)
+            tokens = out.argmax(-1, keepdim=True)
+    return torch.stack(logits), [layer.compact_positions.clone() for layer in cache.layers]
+
+
+def test_refreshes_stacked_over_layers_equal_each_layer_alone():
+    """The CPU default (every layer's refresh selected in one call at the forward's end) gives
+    the logits and memories of selecting each layer at once, with hysteresis and pins."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(3))
+    config = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed",
+                       period=3, coverage_layers=0, hysteresis=0.5, pin_fraction=0.25)
+    stacked, inline = SlowFastCache(model, config), SlowFastCache(model, config)
+    stacked.rebuilder = StackingRebuilder()
+    inline.rebuilder = InlineRebuilder()
+    a, memories_a = _decode(model, stacked, ids, 8)
+    b, memories_b = _decode(model, inline, ids, 8)
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(memories_a, memories_b))
+    assert stacked.stats().slow_steps >= 2
+
+
+def test_a_forward_that_fails_leaves_no_refresh_behind():
+    """Refreshes waiting for the end of a forward that raised are dropped at the next forward:
+    the layers keep the memories the planner last committed."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(4))
+    config = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed",
+                       period=2, coverage_layers=0)
+    cache = SlowFastCache(model, config)
+    _, before = _decode(model, cache, ids, 2)  # prefill (first selection), one fast step
+    last_layer = model.model.layers[-1]
+    original = last_layer.forward
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    last_layer.forward = failing
+    key = cache_argument(model)
+    try:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="boom"):
+            model(input_ids=ids[:, -1:], use_cache=True, **{key: cache})  # a slow step
+    finally:
+        last_layer.forward = original
+    assert cache.rebuilder._waiting  # the slow step's refreshes never reached the end
+    with torch.inference_mode():
+        cache.begin_forward(ids[:, -1:], None, 1, 1, ids.device)
+    assert not cache.rebuilder._waiting
+    for layer, memory in zip(cache.layers, before):
+        layer.settle(wait=True)
+        assert layer.pending is None and torch.equal(layer.compact_positions, memory)

@@ -99,6 +99,7 @@ class SlowFastCache(Cache):
         elif batch_size != len(self.planner.sequences):
             raise SFIError(f"this SlowFastCache holds {len(self.planner.sequences)} sequences; a "
                            f"forward with batch size {batch_size} cannot continue it")
+        self.rebuilder.discard()  # refreshes of a forward that raised before its end
         tokens = input_ids[:, -1].tolist() if input_ids is not None else [None] * batch_size
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,

@@ -165,8 +165,9 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         ``query [n, H, N, D]``; ``attention``, their softmax where the step has it) and rebuild
         the compact buffer of the ``slow`` rows.
 
-        The rebuild goes through the step's rebuilder: inline (committed at once), or on a CUDA
-        side stream (committed when the layer next runs and finds it ready)."""
+        The rebuild goes through the step's rebuilder: on CPU stacked with the other layers'
+        refreshes at the forward's end (committed then), inline, or on a CUDA side stream
+        (committed when the layer next runs and finds it ready)."""
         self.settle(wait=True)  # a newer refresh supersedes a pending one
         key_norms = slow.rows.take(self.key_norms)
         cached_keys = slow.rows.take(self.keys) if query is not None else None

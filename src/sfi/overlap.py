@@ -5,7 +5,7 @@ METHOD.md section 4: the reference overlaps the Selector and the rebuild of the 
 with the following layers' work on a second CUDA stream; a sequence whose rebuild is not ready
 yet reads densely. A rebuild is staged (packed into separate tensors) and committed into the
 layer's compact buffer when its layer next runs and finds it ready. On CPU the refreshes of a
-step wait until its forward ends and are selected together, every layer's evidence stacked
+step wait until its forward ends and are selected together, several layers' evidence stacked
 into one call (:class:`StackingRebuilder`; the Selector's cost is mostly per operation, not
 per position, at these sizes).
 """
@@ -13,7 +13,7 @@ per position, at these sizes).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -32,8 +32,9 @@ class StagedCompact:
         keys, values: ``[n, H, W, D]`` packed sink + selected entries.
         positions: ``[n, H, W]`` the cache positions they came from.
         width: the compact buffer's width (slots) when it was planned.
-        ready: whether the work that produces it has finished.
+        ready: whether the work that produces it has finished (or was dropped).
         wait: make the current stream wait for it (no-op when it ran inline).
+        dropped: the refresh will never land (its forward failed): the layer keeps its memory.
     """
 
     rows: Rows
@@ -43,6 +44,7 @@ class StagedCompact:
     width: int
     ready: Callable[[], bool]
     wait: Callable[[], None]
+    dropped: bool = False
 
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -76,7 +78,7 @@ class Refresh:
         if len(self.groups) != 1 or self.groups[0].rows is not None:
             return None
         group, e = self.groups[0], self.evidence
-        if not getattr(group.scorer, "scores_rows_alone", False):
+        if not vars(type(group.scorer)).get("scores_rows_alone", False):  # a subclass says so
             return None
         previous = self.previous or PreviousSelection()
         return (id(group.scorer), group.rule, tuple(e.logits.shape[1:]),
@@ -97,6 +99,10 @@ class Rebuilder(Protocol):
         """Finish every refresh submitted so far (the end of a forward)."""
         ...
 
+    def discard(self) -> None:
+        """Drop the refreshes still waiting (a forward that raised before its end)."""
+        ...
+
 
 def _always() -> bool:
     return True
@@ -107,7 +113,7 @@ def _nothing() -> None:
 
 
 class InlineRebuilder:
-    """Runs the rebuild at once on the current stream (CPU, or overlap switched off)."""
+    """Runs the rebuild at once on the current stream (CUDA with overlap switched off)."""
 
     asynchronous = False
 
@@ -119,13 +125,18 @@ class InlineRebuilder:
     def flush(self) -> None:
         return None
 
+    def discard(self) -> None:
+        return None
+
 
 class StackingRebuilder:
-    """Keeps a forward's refreshes until it ends (:meth:`flush`, or ``limit_bytes`` of
-    evidence waiting), then selects those that can go together in one call per kind
-    (:meth:`Refresh.stack_key`: the rows of every layer stacked; the rest one by one) and packs
-    each layer's memory. A refresh is staged until then: its rows have no new memory before the
-    forward's end, and none needs one (the layer's next use is the next forward)."""
+    """Keeps a forward's refreshes until it ends (:meth:`flush`), then selects those that can
+    go together in one call per kind (:meth:`Refresh.stack_key`: the rows of several layers
+    stacked) and packs each layer's memory; a stack holds at most ``limit_bytes`` of evidence
+    (a fuller one is flushed first), and a refresh that cannot be stacked runs at once. A
+    refresh is staged until then: its rows have no new memory before the forward's end, and
+    none needs one (the layer's next use is the next forward). The queries and keys of a
+    waiting refresh's evidence are dropped (a stacking scorer never reads them)."""
 
     asynchronous = False
 
@@ -136,16 +147,18 @@ class StackingRebuilder:
 
     def submit(self, refresh: Refresh, inputs: list[torch.Tensor]) -> StagedCompact:
         staged = StagedCompact(refresh.rows, None, None, None, refresh.width,  # type: ignore[arg-type]
-                               lambda: staged.keys is not None, self.flush)
+                               lambda: staged.keys is not None or staged.dropped, self.flush)
         if refresh.stack_key() is None:
             _land(staged, refresh.run())
             return staged
-        self._waiting.append((refresh, staged))
         e = refresh.evidence
-        self._bytes += sum(t.numel() * t.element_size() for t in (e.logits, e.probabilities)
-                           if t is not None)
-        if self._bytes > self.limit_bytes:
+        size = sum(t.numel() * t.element_size() for t in (e.logits, e.probabilities)
+                   if t is not None)
+        if self._waiting and self._bytes + size > self.limit_bytes:
             self.flush()
+        refresh.evidence = replace(e, query=None, keys=None)  # not read; not held until the end
+        self._waiting.append((refresh, staged))
+        self._bytes += size
         return staged
 
     def flush(self) -> None:
@@ -153,10 +166,19 @@ class StackingRebuilder:
         kinds: dict[tuple, list[tuple[Refresh, StagedCompact]]] = {}
         for refresh, staged in waiting:
             kinds.setdefault(refresh.stack_key(), []).append((refresh, staged))  # type: ignore[arg-type]
-        for together in kinds.values():
-            refreshes = [r for r, _ in together]
-            for (refresh, staged), slots in zip(together, _select_stacked(refreshes)):
-                _land(staged, refresh.pack(slots))
+        try:
+            for together in kinds.values():
+                refreshes = [r for r, _ in together]
+                for (refresh, staged), slots in zip(together, _select_stacked(refreshes)):
+                    _land(staged, refresh.pack(slots))
+        finally:  # a failed selection drops the rest: their layers keep their memories
+            for _, staged in waiting:
+                staged.dropped = staged.keys is None
+
+    def discard(self) -> None:
+        waiting, self._waiting, self._bytes = self._waiting, [], 0
+        for _, staged in waiting:
+            staged.dropped = True
 
 
 def _select_stacked(refreshes: list[Refresh]) -> list[torch.Tensor]:
@@ -217,9 +239,13 @@ class SideStreamRebuilder:
     def flush(self) -> None:
         return None
 
+    def discard(self) -> None:
+        return None
+
 
 def make_rebuilder(device: torch.device, overlap: bool) -> Rebuilder:
-    """A side stream on CUDA (with ``overlap``), else refreshes stacked over layers."""
+    """Refreshes stacked over layers on CPU; on CUDA a side stream (with ``overlap``) or
+    inline."""
     if overlap and device.type == "cuda":
         return SideStreamRebuilder(device)
     return StackingRebuilder() if device.type == "cpu" else InlineRebuilder()

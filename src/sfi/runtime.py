@@ -21,15 +21,17 @@ import sys
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _LARGEST = 2 ** 31 - 1  # mallopt takes an int
+_OLD_GLIBC_LARGEST_MMAP = 32 * 2 ** 20  # glibc before 2.35 refuses a larger mmap threshold
 
 ENV = "SFI_KEEP_FREED_MEMORY"
 
 
 def keep_freed_memory() -> bool:
     """Make glibc's ``malloc`` serve large blocks from its heap and keep freed memory for reuse
-    (up to 2 GB of free heap top) instead of returning it to the system. Returns whether the
-    setting took effect: False off Linux/glibc, or with ``SFI_KEEP_FREED_MEMORY=0``. The price:
-    the process's resident memory stays near its peak."""
+    (up to 2 GB of free heap top) instead of returning it to the system. Blocks up to 2 GB come
+    from the heap (glibc 2.35 and later; before, up to 32 MB, the most it accepts). Returns
+    whether the setting took effect: False off Linux/glibc, or with ``SFI_KEEP_FREED_MEMORY=0``.
+    The price: the process's resident memory stays near its peak."""
     if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
         return False
     name = ctypes.util.find_library("c")
@@ -39,4 +41,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _LARGEST)) and bool(mallopt(_M_TRIM_THRESHOLD, _LARGEST))
+    mmap = mallopt(_M_MMAP_THRESHOLD, _LARGEST) or \
+        mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_LARGEST_MMAP)
+    trim = mallopt(_M_TRIM_THRESHOLD, _LARGEST)
+    return bool(mmap) and bool(trim)

@@ -324,6 +324,9 @@ class SlabLayer(CacheLayerMixin):
         if not (wait or staged.ready()):
             return staged.rows
         staged.wait()
+        if staged.dropped:  # its forward failed: the memory stays as the planner last left it
+            self.pending = None
+            return None
         self.ensure_compact(staged.width)
         width = staged.keys.shape[-2]
         staged.rows.put(self.compact_keys[:, :, :width], staged.keys)

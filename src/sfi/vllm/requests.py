@@ -277,7 +277,8 @@ class RequestBook:
         return RowPlan(row, FAST, state.slot, t, length=state.length)
 
     def coverage_flags(self) -> list[bool]:
-        """Per slot, whether its request is flagged by a probe (see :meth:`share_coverage`)."""
+        """Per slot, whether its request is flagged by a probe (the ranks of a tensor-parallel
+        group OR these before each step's decisions, ``sfi.vllm.metadata``)."""
         flags = [False] * self.slots
         for state in self.requests.values():
             if state.slot is not None:
