@@ -30,7 +30,7 @@ from sfi.kernels import dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh
 from sfi.planner import Probe, SlowRows, StepPlan
 from sfi.rows import Rows
-from sfi.scorers import make_evidence
+from sfi.scorers import make_evidence, scores_rows_alone
 from sfi.selection import PreviousSelection, previous_selection
 from sfi.slab import SlabLayer
 
@@ -169,12 +169,14 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         refreshes at the forward's end (committed then), inline, or on a CUDA side stream
         (committed when the layer next runs and finds it ready)."""
         self.settle(wait=True)  # a newer refresh supersedes a pending one
+        if all(scores_rows_alone(group.scorer) for group in slow.groups):
+            query = None  # nor the keys: no scorer of these rows reads them (no copy either)
         key_norms = slow.rows.take(self.key_norms)
         cached_keys = slow.rows.take(self.keys) if query is not None else None
         evidence = make_evidence(logits, self.layer_idx, slow.lo, slow.hi, keys=cached_keys,
                                  key_norms=key_norms, candidates=slow.candidates,
                                  queries=queries, query=query, pads=slow.pads,
-                                 attention=attention)
+                                 probabilities=attention)
         previous = self._previous_selection(slow)
         refresh = Refresh(slow.rows, evidence, slow.groups, slow.k, slow.pins, previous,
                           lambda selected: self.pack(slow, selected), step.plan.compact_width)

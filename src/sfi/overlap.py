@@ -13,13 +13,13 @@ per position, at these sizes).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from sfi.rows import Rows
-from sfi.scorers import Evidence, stack_evidence
+from sfi.scorers import Evidence, scores_rows_alone, stack_evidence
 from sfi.selection import PreviousSelection, SelectionGroup, select_groups
 
 
@@ -78,7 +78,7 @@ class Refresh:
         if len(self.groups) != 1 or self.groups[0].rows is not None:
             return None
         group, e = self.groups[0], self.evidence
-        if not vars(type(group.scorer)).get("scores_rows_alone", False):  # a subclass says so
+        if not scores_rows_alone(group.scorer):
             return None
         previous = self.previous or PreviousSelection()
         return (id(group.scorer), group.rule, tuple(e.logits.shape[1:]),
@@ -112,7 +112,17 @@ def _nothing() -> None:
     return None
 
 
-class InlineRebuilder:
+class _NothingWaits:
+    """A rebuilder that starts each refresh when submitted: nothing to flush or discard."""
+
+    def flush(self) -> None:
+        return None
+
+    def discard(self) -> None:
+        return None
+
+
+class InlineRebuilder(_NothingWaits):
     """Runs the rebuild at once on the current stream (CUDA with overlap switched off)."""
 
     asynchronous = False
@@ -122,12 +132,6 @@ class InlineRebuilder:
         return StagedCompact(refresh.rows, keys, values, positions, refresh.width, _always,
                              _nothing)
 
-    def flush(self) -> None:
-        return None
-
-    def discard(self) -> None:
-        return None
-
 
 class StackingRebuilder:
     """Keeps a forward's refreshes until it ends (:meth:`flush`), then selects those that can
@@ -135,8 +139,7 @@ class StackingRebuilder:
     stacked) and packs each layer's memory; a stack holds at most ``limit_bytes`` of evidence
     (a fuller one is flushed first), and a refresh that cannot be stacked runs at once. A
     refresh is staged until then: its rows have no new memory before the forward's end, and
-    none needs one (the layer's next use is the next forward). The queries and keys of a
-    waiting refresh's evidence are dropped (a stacking scorer never reads them)."""
+    none needs one (the layer's next use is the next forward)."""
 
     asynchronous = False
 
@@ -156,7 +159,6 @@ class StackingRebuilder:
                    if t is not None)
         if self._waiting and self._bytes + size > self.limit_bytes:
             self.flush()
-        refresh.evidence = replace(e, query=None, keys=None)  # not read; not held until the end
         self._waiting.append((refresh, staged))
         self._bytes += size
         return staged
@@ -188,16 +190,14 @@ def _select_stacked(refreshes: list[Refresh]) -> list[torch.Tensor]:
         return [refreshes[0].select()]
     first = refreshes[0]
     previous = None
-    if first.previous is not None:
-        parts = [r.previous for r in refreshes]
+    if first.previous is not None:  # (equal stack keys: every refresh holds the same masks)
         previous = PreviousSelection(*(
             None if getattr(first.previous, name) is None
-            else torch.cat([getattr(p, name) for p in parts])  # type: ignore[arg-type]
+            else torch.cat([getattr(r.previous, name) for r in refreshes])
             for name in ("selected", "pinned")))
-    stacked = Refresh(first.rows, stack_evidence([r.evidence for r in refreshes]), first.groups,
-                      torch.cat([r.k for r in refreshes]), torch.cat([r.pins for r in refreshes]),
-                      previous, first.pack, first.width)
-    slots = stacked.select()
+    slots = select_groups(first.groups, stack_evidence([r.evidence for r in refreshes]),
+                          torch.cat([r.k for r in refreshes]),
+                          torch.cat([r.pins for r in refreshes]), previous)
     out, start = [], 0
     for r in refreshes:
         n = len(r.k)
@@ -210,7 +210,7 @@ def _land(staged: StagedCompact, packed: Packed) -> None:
     staged.keys, staged.values, staged.positions = packed
 
 
-class SideStreamRebuilder:
+class SideStreamRebuilder(_NothingWaits):
     """Runs the rebuild on a second CUDA stream, ordered after the work already queued."""
 
     asynchronous = True
@@ -235,12 +235,6 @@ class SideStreamRebuilder:
 
         return StagedCompact(refresh.rows, keys, values, positions, refresh.width, done.query,
                              wait)
-
-    def flush(self) -> None:
-        return None
-
-    def discard(self) -> None:
-        return None
 
 
 def make_rebuilder(device: torch.device, overlap: bool) -> Rebuilder:

@@ -87,7 +87,7 @@ def make_evidence(logits: torch.Tensor, layer_idx: int, lo: torch.Tensor, hi: to
                   keys: torch.Tensor | None = None, key_norms: torch.Tensor | None = None,
                   candidates: torch.Tensor | None = None, queries: int = 1,
                   query: torch.Tensor | None = None, history: torch.Tensor | None = None,
-                  pads: torch.Tensor | None = None, attention: torch.Tensor | None = None
+                  pads: torch.Tensor | None = None, probabilities: torch.Tensor | None = None
                   ) -> Evidence:
     """The one way a slow step's :class:`Evidence` is made, in either engine.
 
@@ -95,7 +95,7 @@ def make_evidence(logits: torch.Tensor, layer_idx: int, lo: torch.Tensor, hi: to
     [B, H, T, D]``; ``candidates [B, T]`` where the caller has them, else the region
     ``lo <= position < hi`` of each sequence. The keys travel with the evidence when there are
     evidence queries (``query [B, H, N, D]``: scorers that bound q.k by pages need both).
-    ``attention [B, H, N, T]``: the softmax of ``logits`` where the caller has it.
+    ``probabilities [B, H, N, T]``: the softmax of ``logits`` where the caller has it.
     """
     if key_norms is None:
         if keys is None:
@@ -108,7 +108,7 @@ def make_evidence(logits: torch.Tensor, layer_idx: int, lo: torch.Tensor, hi: to
     return Evidence(logits=logits, key_norms=key_norms, candidates=candidates, lo=lo, hi=hi,
                     layer_idx=layer_idx, queries=queries, query=query,
                     keys=keys if query is not None else None, history=history, pads=pads,
-                    probabilities=attention)
+                    probabilities=probabilities)
 
 
 def stack_evidence(parts: Sequence[Evidence]) -> Evidence:
@@ -124,6 +124,12 @@ def stack_evidence(parts: Sequence[Evidence]) -> Evidence:
                     candidates=cat("candidates"), lo=cat("lo"), hi=cat("hi"),  # type: ignore[arg-type]
                     layer_idx=first.layer_idx, queries=first.queries, pads=cat("pads"),
                     probabilities=cat("probabilities"))
+
+
+def scores_rows_alone(scorer: object) -> bool:
+    """Whether ``scorer``'s own class declares ``scores_rows_alone = True`` (a subclass that
+    may read more must not inherit it): see :class:`Scorer`."""
+    return bool(vars(type(scorer)).get("scores_rows_alone", False))
 
 
 @runtime_checkable

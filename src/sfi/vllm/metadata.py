@@ -18,6 +18,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
+from vllm.distributed import (
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 
 from sfi.scorers.registry import make_scorer
@@ -87,11 +91,6 @@ def _share_coverage(requests: RequestBook, device: torch.device) -> None:
     """Under tensor parallelism each rank probes only its own KV heads: OR every rank's
     coverage flags (one all-reduce of a flag per slot, each step that probes), so that every
     rank decides what one rank holding all heads would."""
-    from vllm.distributed import (
-        get_tensor_model_parallel_world_size,
-        tensor_model_parallel_all_reduce,
-    )
-
     if not requests.config.coverage_layers or get_tensor_model_parallel_world_size() == 1:
         return
     flags = torch.tensor(requests.coverage_flags(), dtype=torch.float32, device=device)
