@@ -30,12 +30,12 @@ from sfi.decode import StopChecker, decode_one, prefill, prompt_chunks, sample_n
 from sfi.errors import SFIError
 from sfi.hf import eos_token_ids
 from sfi.methods import build_cache
+from sfi.runtime import give_back_freed_memory
 from sfi.server.requests import (
     EngineMetrics,
     GenerationRequest,
     KVBudgetError,
     QueueFullError,
-    give_back_freed_memory,
     kv_tokens,
 )
 from sfi.stats import DecodeStats

@@ -1,5 +1,5 @@
-"""What the server's engine is asked and what it counts: requests, metrics, the errors it
-raises before a request runs, and giving freed heap pages back."""
+"""What the server's engine is asked and what it counts: requests, metrics, and the errors it
+raises before a request runs."""
 
 from __future__ import annotations
 
@@ -78,32 +78,6 @@ class EngineMetrics:
             return 0.0
         seconds = sum(s for s, _ in self.recent_steps)
         return sum(n for _, n in self.recent_steps) / seconds if seconds > 0 else 0.0
-
-
-def _load_libc() -> Any:
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()
-
-
-def give_back_freed_memory() -> None:
-    """Return the heap's free pages to the system (glibc's ``malloc_trim``). Every prompt is
-    prefilled into its own cache, freed once copied into the slab, and every chunk's
-    activations are freed too (tensors of a few MB per layer); glibc keeps what they freed,
-    fragmented, and the server's resident memory only grows (measured when the batch itself
-    was still rebuilt at every join: 4.2 GB peak against 3.0 GB with the pages given back, 12
-    requests of 2.8K tokens). No effect without glibc."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 class KVBudgetError(SFIError):
