@@ -26,7 +26,7 @@ from sfi.overlap import Rebuilder, make_rebuilder
 from sfi.planner import Planner, StepPlan, TriggerFactory
 from sfi.scorers import Scorer
 from sfi.selector import SFISelector
-from sfi.sequence import Memory
+from sfi.sequence import Memory, record_verified
 from sfi.stats import DecodeStats
 from sfi.triggers import make_trigger, token_classes
 
@@ -84,6 +84,7 @@ class SlowFastCache(Cache):
         self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._kinds: tuple[str, ...] = ()
         self.prompt_continues = False  # set between the chunks of a chunked prefill
+        self.phase: str | None = None  # exact mode's phase of the next forward (sfi.exact)
         capacity = int(max_cache_len) if max_cache_len else 256
         super().__init__(layers=_build_layers(model, capacity))
         self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
@@ -103,7 +104,7 @@ class SlowFastCache(Cache):
         tokens = input_ids[:, -1].tolist() if input_ids is not None else [None] * batch_size
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,
-                                 select=not self.prompt_continues)
+                                 select=not self.prompt_continues, phase=self.phase)
         return StepContext(layers=self.layers, plan=plan, rebuilder=self.rebuilder)
 
     def end_forward(self, step: StepContext) -> None:
@@ -174,6 +175,39 @@ class SlowFastCache(Cache):
         if stats.decode_steps == 0:
             return 1.0, None
         return stats.read_fraction, stats.fast_read_fraction
+
+    # --- exact mode (sfi.exact) -----------------------------------------------------------------
+    def rewind(self, length: int) -> None:
+        """Forget every position from ``length`` on, in every layer: the drafts' KV before a
+        verify, a verify's rejected positions after it. The memories lie before ``length``
+        (drafts never refresh, and a verify lays its memory out at its first position)."""
+        if not 0 < length <= self.get_seq_length():
+            raise SFIError(f"rewind needs 0 < length <= {self.get_seq_length()}, got {length}")
+        layers = self._sfi_layers()
+        if len(layers) != len(self.layers):
+            raise SFIError("exact mode needs every layer to be full attention (a sliding-window "
+                           "layer cannot be rewound)")
+        for layer in layers:
+            layer.truncate(length)
+
+    def record_exact(self, inputs: list[list[int]], accepted: list[int] | None,
+                     drafted: int) -> None:
+        """Record what a verify (``accepted`` per row, of ``drafted`` drafts) or a dense step
+        (``accepted`` None) committed: each row's ``inputs``, the input tokens of the decode
+        steps it stands for, walk the row's trigger (``sfi.sequence.record_verified``)."""
+        if len(inputs) != self.batch_size:
+            raise SFIError(f"record_exact got {len(inputs)} rows; the batch has "
+                           f"{self.batch_size}")
+        for row, (seq, tokens) in enumerate(zip(self.planner.sequences, inputs)):
+            refreshed = accepted is not None and self._kinds[row] == "slow"
+            record_verified(seq, tokens, refreshed, None if accepted is None else accepted[row])
+            if accepted is None:
+                seq.stats.exact_dense_steps += 1
+                continue
+            seq.stats.verify_steps += 1
+            seq.stats.drafted += drafted
+            seq.stats.accepted += accepted[row]
+            seq.stats.verified_tokens += len(tokens)
 
     # --- what a sequence holds -------------------------------------------------------------------
     @property

@@ -152,6 +152,18 @@ class SFIConfig:
     coverage_gap: int = 2
     """Coverage probes: at most one coverage refresh every this many steps."""
 
+    # --- exact mode (``mode="exact"``: fast steps draft, one dense forward verifies) ---
+    draft_tokens: int = 4
+    """Exact mode: gamma, the fast steps drafted before each dense verify, to start with (it
+    then adapts to the measured acceptance and step times)."""
+    draft_min: int = 1
+    """Exact mode: the fewest drafted tokens per verify."""
+    draft_max: int = 8
+    """Exact mode: the most drafted tokens per verify."""
+    draft_fallback: bool = True
+    """Exact mode: decode densely where the measured step times and acceptance say that
+    drafting cannot pay (False: always draft, e.g. to measure it)."""
+
     def __post_init__(self) -> None:
         _require_int("sink", self.sink, 0)
         _require_int("recent", self.recent, 1)
@@ -168,7 +180,7 @@ class SFIConfig:
         if self.k_fraction is not None:
             _require_float("k_fraction", self.k_fraction, 0.0, 1.0, low_open=True)
         _require_int("evidence_window", self.evidence_window, 1)
-        for name in ("force_sparse", "overlap_selection"):
+        for name in ("force_sparse", "overlap_selection", "draft_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise SFIConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.trigger not in TRIGGER_POLICIES:
@@ -211,6 +223,13 @@ class SFIConfig:
         _require_int("coverage_top", self.coverage_top, 1)
         _require_float("coverage_threshold", self.coverage_threshold, 0.0, 1.0)
         _require_int("coverage_gap", self.coverage_gap, 1)
+        _require_int("draft_min", self.draft_min, 1)
+        _require_int("draft_tokens", self.draft_tokens, 1)
+        _require_int("draft_max", self.draft_max, 1)
+        if not self.draft_min <= self.draft_tokens <= self.draft_max:
+            raise SFIConfigError(
+                f"exact mode needs draft_min <= draft_tokens <= draft_max, got {self.draft_min}, "
+                f"{self.draft_tokens}, {self.draft_max}")
 
     def budget(self, context: int) -> int:
         """K, the selected tokens per KV head for a sequence of ``context`` real tokens."""

@@ -5,13 +5,16 @@ the support-stability analysis) is built from the same three pieces, as in gpt-f
 
 - :func:`prefill`: one forward over several tokens per row (a prompt, or the tail of a prompt
   whose head was loaded from a shared prefill) -> the last position's logits;
-- :func:`decode_one`: one forward of one token per row -> its logits;
+- :func:`decode_one` (in :mod:`sfi.steps`, with the token choice `sample_next`): one forward
+  of one token per row -> its logits;
 - :class:`StopChecker`: when a sequence ends (an end-of-sequence token, a stop string, the
   token budget) and its text so far.
 
 ``mode="sfi"`` decodes through a :class:`~sfi.cache.SlowFastCache`; ``mode="full"`` through
-transformers' ``DynamicCache`` and SDPA, the model as users run it today. Both share the loop,
-so their timings compare like with like.
+transformers' ``DynamicCache`` and SDPA, the model as users run it today; ``mode="exact"``
+through a ``SlowFastCache`` whose fast steps draft and whose dense forwards verify
+(:mod:`sfi.exact`): full attention's tokens. They share the loop, so their timings compare like
+with like.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ import torch
 
 from sfi.config import SFIConfig
 from sfi.errors import PromptError, SFIError
+from sfi.exact import ExactDecoder
 from sfi.hf import cache_argument, context_length, eos_token_ids
 from sfi.methods import build_cache
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
+from sfi.steps import decode_one, extended_mask, sample_next
 
-Mode = Literal["sfi", "full"]
-MODES: tuple[str, ...] = ("sfi", "full")
+Mode = Literal["sfi", "full", "exact"]
+MODES: tuple[str, ...] = ("sfi", "full", "exact")
 
 
 # --- the pieces of every loop -------------------------------------------------------------------
@@ -102,16 +107,6 @@ def prefill(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *,
     finally:
         if continues is not None:
             cache.prompt_continues = continues  # as the caller set it, even after a failure
-    return out.logits[:, -1]
-
-
-def decode_one(model: torch.nn.Module, cache: Any, tokens: torch.Tensor,
-               positions: torch.Tensor, attention_mask: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """One decode step: ``tokens [B]`` at ``positions [B]`` -> next-token logits ``[B, V]``."""
-    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-    out = model(input_ids=tokens[:, None], position_ids=positions[:, None], use_cache=True,
-                **{cache_argument(model): cache}, **kwargs)
     return out.logits[:, -1]
 
 
@@ -259,7 +254,7 @@ class GenerateResult:
         stats: slow/fast step counters of this sequence.
         timing: timings of the whole batch this sequence was decoded in.
         finish_reason: ``"stop"`` (end-of-sequence token or stop string) or ``"length"``.
-        mode: ``"sfi"`` or ``"full"``.
+        mode: ``"sfi"``, ``"full"`` or ``"exact"``.
     """
 
     text: str
@@ -320,28 +315,6 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool,
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """``[B, V]`` logits -> ``[B]`` token ids: greedy at temperature 0, else nucleus sampling.
-
-    Temperatures below ``GREEDY_BELOW`` are greedy (dividing by them overflows float32), and the
-    nucleus always keeps the most likely token, however small ``top_p`` is.
-    """
-    if temperature < GREEDY_BELOW:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
-        keep[..., 0] = True
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
 @torch.inference_mode()
 def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str], *,
              config: SFIConfig | None = None, max_new_tokens: int = 128, mode: Mode = "sfi",
@@ -357,9 +330,12 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
         model: a transformers causal LM (see :func:`sfi.load`).
         tokenizer: its tokenizer.
         prompt: the text, or a list of texts decoded together with left padding.
-        config: SFI knobs (``mode="sfi"`` only); defaults to ``SFIConfig()``.
+        config: SFI knobs (``mode="sfi"`` and ``"exact"``, where it is the drafter's); defaults
+            to ``SFIConfig()``.
         max_new_tokens: how many tokens to generate at most.
-        mode: ``"sfi"`` (slow-fast decoding) or ``"full"`` (dense attention, stock cache).
+        mode: ``"sfi"`` (slow-fast decoding), ``"full"`` (dense attention, stock cache) or
+            ``"exact"`` (fast steps draft, dense forwards verify: full attention's tokens, and
+            with sampling its distribution; ``sfi.exact``).
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus sampling keeps the most likely tokens up to this probability mass.
         seed: the sampling generator's seed (None: torch's global generator).
@@ -397,8 +373,8 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
             f"{longest + max_new_tokens}, more than the model's context of {limit} tokens")
 
     batch = input_ids.shape[0]
-    cache = build_cache(model, tokenizer, mode, config=config, scorer=scorer,
-                        capacity=input_ids.shape[1] + max_new_tokens)
+    cache = build_cache(model, tokenizer, "full" if mode == "full" else "sfi", config=config,
+                        scorer=scorer, capacity=input_ids.shape[1] + max_new_tokens)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = eos_token_ids(model, tokenizer)
     checkers = [StopChecker(tokenizer, eos, stop or (), max_new_tokens) for _ in range(batch)]
@@ -413,29 +389,47 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
     timing.prefill_s = time.perf_counter() - start
 
     position = positions[:, -1]
-    decode_start = time.perf_counter()
-    while True:
-        for row, token in enumerate(next_ids.tolist()):
+    exact = ExactDecoder(model, cache, temperature, top_p, generator) if mode == "exact" \
+        else None
+
+    def push(tokens: list[int]) -> None:
+        for row, token in enumerate(tokens):
             checker = checkers[row]
             if checker.done:
                 continue
             checker.push(token)
             if on_token is not None and token not in eos:
                 on_token(row, token)
+
+    decode_start = time.perf_counter()
+    while True:
+        push(next_ids.tolist())
         if all(c.done for c in checkers):
             break
-        if padded:  # without padding no mask is needed: no O(context) work per step
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], -1)
-        position = position + 1
-        logits = decode_one(model, cache, next_ids, position,
-                            attention_mask if padded else None)
-        next_ids = sample_next(logits, temperature, top_p, generator)
-        timing.decode_steps += 1
+        if exact is not None:
+            room = max(c.max_tokens - len(c.tokens) for c in checkers if not c.done)
+            emitted = exact.advance(next_ids, position, attention_mask if padded else None,
+                                    [not c.done for c in checkers], room)
+            for column in emitted[:, :-1].T.tolist():  # the last is pushed at the loop's top
+                push(column)
+            step = emitted.shape[1]
+            next_ids = emitted[:, -1]
+            if padded:
+                attention_mask = extended_mask(attention_mask, step)
+        else:
+            step = 1
+            if padded:  # without padding no mask is needed: no O(context) work per step
+                attention_mask = extended_mask(attention_mask, 1)
+            logits = decode_one(model, cache, next_ids, position + 1,
+                                attention_mask if padded else None)
+            next_ids = sample_next(logits, temperature, top_p, generator)
+        position = position + step
+        timing.decode_steps += step
     timing.decode_s = time.perf_counter() - decode_start
 
     results = [GenerateResult(text=checker.text, token_ids=checker.tokens,
                               prompt_tokens=int(prompt_lengths[row]), stats=cache.stats(row),
                               timing=timing, finish_reason=checker.finish_reason or "length",
-                              mode=mode, config=cache.config if mode == "sfi" else None)
+                              mode=mode, config=cache.config if mode != "full" else None)
                for row, checker in enumerate(checkers)]
     return results[0] if isinstance(prompt, str) else results

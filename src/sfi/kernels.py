@@ -77,6 +77,27 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
     return out, logits, attention
 
 
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                    queries: int, scale: float, softcap: float | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q consecutive queries over the whole cache, grouped by KV head (exact mode's verify):
+    K and V are read once for all of them, as :func:`dense_attention` reads them for one.
+
+    Args:
+        q: ``[B, H, G * Q, D]``, rows ordered (query head, query); k, v: ``[B, H, T, D]``;
+        bias: ``[B or 1, Q, T]`` additive (causal within the block, padding).
+    Returns:
+        ``(out [B, H, G * Q, D], logits [B, H, G * Q, T], attention)`` as
+        :func:`dense_attention`'s, the logits biased (the rows of :func:`window_logits`).
+    """
+    b, h, rows, _ = q.shape
+    t = k.shape[-2]
+    logits = attention_logits(q, k, scale, softcap).view(b, h, rows // queries, queries, t)
+    logits = (logits + bias[:, None, None]).view(b, h, rows, t)
+    attention = torch.softmax(logits, dim=-1)
+    return torch.matmul(attention.to(v.dtype), v), logits, attention
+
+
 def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Tensor,
                    compact_bias: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor,
                    recent_bias: torch.Tensor | None, scale: float,

@@ -26,9 +26,9 @@ from sfi.attention import AttendingLayer
 from sfi.context import StepContext, current_step
 from sfi.coverage import missing_rows, unheld_pages
 from sfi.errors import SFIError
-from sfi.kernels import dense_attention, fast_attention, window_logits
+from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh
-from sfi.planner import Probe, SlowRows, StepPlan
+from sfi.planner import VERIFY, Probe, SlowRows, StepPlan
 from sfi.rows import Rows
 from sfi.scorers import make_evidence, scores_rows_alone
 from sfi.selection import PreviousSelection, previous_selection
@@ -52,6 +52,38 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         return self.append(key_states, value_states)
 
     # --- attention (the AttendingLayer protocol) ---------------------------------------------
+    def attend(self, step: StepContext, module: torch.nn.Module, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
+               ) -> tuple[torch.Tensor, None]:
+        """The protocol's, except for an exact-mode verify (:meth:`verify`)."""
+        if step.plan.phase == VERIFY:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return self.verify(step, query, scale, kwargs.get("softcap")), None
+        return super().attend(step, module, query, key, value, attention_mask, scaling=scaling,
+                              dropout=dropout, **kwargs)
+
+    def verify(self, step: StepContext, query: torch.Tensor, scale: float,
+               softcap: float | None) -> torch.Tensor:
+        """Exact mode's verify: ``query [B, Hq, Q, D]`` over the whole cache in one read
+        (:func:`sfi.kernels.block_attention`) -> ``[B, Q, Hq, D]``; its logits are the
+        evidence of the rows it refreshes, where their window holds all Q queries."""
+        plan: StepPlan = step.plan
+        b, hq, nq, d = query.shape
+        h = self.keys.shape[1]
+        q = query.reshape(b, h, hq // h * nq, d)  # rows (query head, query), as window_logits
+        out, logits, attention = block_attention(q, self.keys, self.values, plan.block_bias,
+                                                 nq, scale, softcap)
+        slow = plan.slow
+        if slow is not None and len(plan.dense_at(self.layer_idx)) < len(slow.rows):
+            if set(slow.evidence_windows) == {nq}:
+                rows = slow.rows
+                self._refresh(step, slow, rows.take(logits), queries=nq, query=rows.take(q),
+                              attention=rows.take(attention))
+            else:  # a row's window is shorter than the block: its own evidence
+                self._select_after_prefill(step, slow, query, scale, softcap)
+        return out.reshape(b, hq, nq, -1).transpose(1, 2)
+
     def after_prefill(self, step: StepContext, query: torch.Tensor, scale: float,
                       softcap: float | None) -> None:
         """First selection of the rows the plan refreshes, from the last W queries."""

@@ -63,6 +63,8 @@ class SlowRows:
             this (first) selection chooses them.
         evidence_bias: ``[n, W, T]`` causal and padding bias of the last W queries of a
             multi-token forward (after prefill); None at a decode-time slow step.
+        evidence_windows: each row's W there (its ``evidence_window``, at most the forward's
+            queries).
         pads: ``[n]`` each row's left padding (where its pages start, ``sfi.pages``).
     """
 
@@ -80,6 +82,7 @@ class SlowRows:
     pinning: torch.Tensor
     evidence_bias: torch.Tensor | None = None
     pads: torch.Tensor | None = None
+    evidence_windows: tuple[int, ...] = ()
 
     @property
     def uniform_sink(self) -> int | None:
@@ -166,6 +169,8 @@ class StepPlan:
     compact_width: int
     dense_layers: tuple[int, ...] = ()
     probes: tuple[Probe, ...] = ()
+    phase: str | None = None
+    block_bias: torch.Tensor | None = None  # a verify's [B or 1, Q, T]: causal, padding
 
     def probes_at(self, layer_idx: int) -> list[Probe]:
         """The coverage probes this layer runs (the fast rows they check, and how)."""
@@ -177,6 +182,11 @@ class StepPlan:
         return tuple(r for r, (d, kind) in enumerate(zip(self.dense_layers, self.kinds))
                      if d > layer_idx and kind != DENSE)
 
+
+# Exact mode's phases (sfi.exact; None: a lossy step): a fast draft that changes no state, a
+# dense verify of the drafts (slow where a refresh is due), a dense step where drafts cannot pay
+DRAFT, VERIFY, DENSE_STEP = "draft", "verify", "dense-step"
+PHASES: tuple[str | None, ...] = (None, DRAFT, VERIFY, DENSE_STEP)
 
 TriggerFactory = Callable[[SFIConfig, int], RefreshTrigger]
 ScorerFactory = Callable[[SFIConfig], Scorer]
@@ -203,30 +213,31 @@ class Planner:
 
     # --- planning ---------------------------------------------------------------------------
     def plan(self, tokens: Sequence[int | None], query_length: int, past: int,
-             device: torch.device, may_lag: bool = False, select: bool = True) -> StepPlan:
+             device: torch.device, may_lag: bool = False, select: bool = True,
+             phase: str | None = None) -> StepPlan:
         """Decide, per sequence, whether this forward is dense, slow or fast.
 
         ``tokens`` are the last input token of each row (what the triggers observe);
         ``may_lag`` says that a fast row may find its rebuild not ready and read densely (an
         asynchronous rebuilder), so the padding bias is needed even without dense rows;
         ``select=False`` makes a multi-token forward dense without a selection (a prompt chunk
-        that more chunks follow).
+        that more chunks follow). ``phase``: exact mode's (:data:`PHASES`; a verify's memory
+        is laid out at its first position).
         """
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
         total = past + query_length
         decode = query_length == 1 and past > 0
+        memory_total = past + 1 if phase == VERIFY else total
         kinds, reasons = [], []
         for seq, token in zip(self.sequences, tokens):
-            if decode:
-                kind, reason = decode_decision(seq, token, total)
-            else:
-                kind = SLOW if sparse_pays(seq, total) and select else DENSE
-                reason = BOOTSTRAP if kind == SLOW else None
+            kind, reason = self._decide(seq, token, total, memory_total, decode, select, phase)
             kinds.append(kind)
             reasons.append(reason)
         slow_rows = [r for r, k in enumerate(kinds) if k == SLOW]
         fast_rows = [r for r, k in enumerate(kinds) if k == FAST]
         dense_rows = [r for r, k in enumerate(kinds) if k == DENSE]
-        slow = self._plan_slow(slow_rows, total, query_length, device)
+        slow = self._plan_slow(slow_rows, total, query_length, device, memory_total)
         width = self.compact_width
         if slow is not None:
             width = max(width, max(m.sink + m.k for m in slow.memories))
@@ -239,7 +250,29 @@ class Planner:
                         pad_bias=self.pad_bias(total, device) if reads_densely else None,
                         compact_width=width,
                         dense_layers=tuple(s.config.dense_layers for s in self.sequences),
-                        probes=self._probes(fast_rows, width, device))
+                        probes=self._probes(fast_rows, width, device) if phase is None else (),
+                        phase=phase,
+                        block_bias=additive_bias(causal_mask(total, query_length, device, pads=(
+                            torch.tensor([s.pad for s in self.sequences], device=device))))
+                        if phase == VERIFY else None)
+
+    @staticmethod
+    def _decide(seq: SequenceState, token: int | None, total: int, memory_total: int,
+                decode: bool, select: bool, phase: str | None) -> tuple[str, str | None]:
+        """One row's kind and refresh reason for this forward."""
+        if phase == DRAFT:
+            return (FAST if seq.memory is not None and sparse_pays(seq, total) else DENSE), None
+        if phase == DENSE_STEP:
+            return DENSE, None
+        if phase == VERIFY:
+            if not sparse_pays(seq, memory_total):
+                return DENSE, None
+            due = BOOTSTRAP if seq.memory is None else seq.refresh_due
+            return (SLOW, due) if due is not None else (DENSE, None)
+        if decode:
+            return decode_decision(seq, token, total)
+        kind = SLOW if sparse_pays(seq, total) and select else DENSE
+        return kind, (BOOTSTRAP if kind == SLOW else None)
 
     def _probes(self, fast_rows: list[int], width: int, device: torch.device
                 ) -> tuple[Probe, ...]:
@@ -277,11 +310,13 @@ class Planner:
         return Rows(tuple(indices), len(self.sequences), device)
 
     def _plan_slow(self, rows: list[int], total: int, query_length: int,
-                   device: torch.device) -> SlowRows | None:
+                   device: torch.device, memory_total: int | None = None) -> SlowRows | None:
+        """The refreshes of ``rows``: memories laid out at cache length ``memory_total``
+        (default ``total``; a verify's first position), evidence over ``total`` keys."""
         if not rows:
             return None
         seqs = [self.sequences[r] for r in rows]
-        memories = tuple(next_memory(s, total) for s in seqs)
+        memories = tuple(next_memory(s, memory_total or total) for s in seqs)
         s_max = max(m.sink for m in memories)
         sinks = [[min(m.pad + j, max(m.sink_end - 1, m.pad)) for j in range(s_max)]
                  for m in memories]
@@ -289,7 +324,7 @@ class Planner:
         hi = torch.tensor([m.recent_start for m in memories], device=device)
         positions = torch.arange(total, device=device)
         candidates = (positions[None, :] >= lo[:, None]) & (positions[None, :] < hi[:, None])
-        evidence_bias = None
+        evidence_bias, windows = None, []
         if query_length > 1:
             windows = [min(s.config.evidence_window, query_length) for s in seqs]
             evidence_bias = self._evidence_bias(memories, windows, total, device)
@@ -305,7 +340,8 @@ class Planner:
             pins=torch.tensor([m.pinned for m in memories], device=device),
             pinning=torch.tensor([s.memory is None for s in seqs], device=device),
             evidence_bias=evidence_bias,
-            pads=torch.tensor([m.pad for m in memories], device=device))
+            pads=torch.tensor([m.pad for m in memories], device=device),
+            evidence_windows=tuple(windows))
 
     @staticmethod
     def _evidence_bias(memories: Sequence[Memory], windows: Sequence[int], total: int,
@@ -357,6 +393,8 @@ class Planner:
         """Apply ``plan`` once its forward has run. ``layers`` are the model indices of the
         slow-fast layers; ``lagged[row]`` counts those at which a fast row read densely because
         its rebuild was not ready; ``missed`` rows' memories lack a page a probe wanted."""
+        if plan.phase in (DRAFT, DENSE_STEP):  # exact mode records these itself (sfi.exact)
+            return
         slow_memories = dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow \
             else {}
         for row, (seq, kind) in enumerate(zip(self.sequences, plan.kinds)):

@@ -17,6 +17,8 @@ from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
 from sfi.triggers import BOOTSTRAP, COVERAGE, REFRESH_REASONS, RefreshTrigger
 
+ACCEPTANCE = "acceptance"  # exact mode: full attention rejected a round's first draft
+
 DENSE, SLOW, FAST, LAGGED = "dense", "slow", "fast", "lagged"
 STEP_KINDS: tuple[str, ...] = (DENSE, SLOW, FAST, LAGGED)
 
@@ -71,6 +73,7 @@ class SequenceState:
     steps_since_refresh: int = 0
     memory: Memory | None = None
     coverage_miss: bool = False
+    refresh_due: str | None = None  # exact mode: the next verify refreshes, for this reason
 
 
 def next_memory(seq: SequenceState, total: int) -> Memory:
@@ -158,3 +161,29 @@ def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | Non
         seq.stats.record_lagged_step(read)
     else:
         seq.stats.record_fast_step(read)
+
+
+def record_verified(seq: SequenceState, inputs: Iterable[int], refreshed: bool,
+                    accepted: int | None = None) -> None:
+    """Exact mode (``sfi.exact``): walk the trigger over the ``inputs`` of the decode steps a
+    verify (or a dense step) committed, as if each had been a decode step of its own.
+
+    ``refreshed``: the verify selected a new memory at its first position (installed by
+    the plan's commit, which restarted the reuse count), so its first input is that slow
+    step's. A trigger that fires on a later input makes the next verify refresh
+    (``refresh_due``), as does a round whose first draft was rejected (``accepted == 0``,
+    reason ``acceptance``) once ``min_refresh_gap`` steps have passed since the refresh.
+    """
+    for j, token in enumerate(inputs):
+        steps = seq.steps_since_refresh + 1
+        if refreshed and j == 0:
+            seq.trigger.advance(token, steps)
+            seq.refresh_due = None
+            continue  # the refresh step itself: the count restarted at it
+        if seq.refresh_due is None and seq.memory is not None:
+            seq.refresh_due = seq.trigger.decide(token, steps)
+        seq.trigger.advance(token, steps)
+        seq.steps_since_refresh = steps
+    if accepted == 0 and seq.refresh_due is None and seq.memory is not None and \
+            seq.steps_since_refresh >= seq.config.min_refresh_gap:
+        seq.refresh_due = ACCEPTANCE

@@ -114,6 +114,13 @@ class SlabLayer(CacheLayerMixin):
         self.length = end
         return self.keys, self.values
 
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (their page summaries are made again when
+        asked); the compact buffer's positions lie before ``length``."""
+        self.length = length
+        if self._pages is not None and self._pages.done > length:
+            self._pages.done = length
+
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # transformers < 5.20 passes cache_position
             query_length = query_length.shape[0]

@@ -7,6 +7,8 @@ from typing import Any
 
 from sfi.triggers import REFRESH_REASONS
 
+_EXACT_COUNTERS = ("verify_steps", "drafted", "accepted", "verified_tokens", "exact_dense_steps")
+
 
 def _no_refreshes() -> dict[str, int]:
     return dict.fromkeys(REFRESH_REASONS, 0)
@@ -29,6 +31,13 @@ class DecodeStats:
         fast_read_fraction: mean over fast steps of (entries read) / (context length).
         read_fraction: mean over all decode steps of the fraction of the context read (dense
             and slow steps read all of it).
+        verify_steps, drafted, accepted, verified_tokens: exact mode (``sfi.exact``): dense
+            forwards that verified drafts, tokens drafted by fast steps, drafts full attention
+            agreed with (this sequence's own, before a batch commits the rows' common
+            prefix), and tokens the verifies committed (the accepted ones and one of full
+            attention's own per verify).
+        exact_dense_steps: exact mode's dense decode steps, taken where drafting cannot pay
+            (the measured step times and acceptance say so, ``sfi.exact.DraftLength``).
     """
 
     slow_steps: int = 0
@@ -38,6 +47,21 @@ class DecodeStats:
     refresh_reasons: dict[str, int] = field(default_factory=_no_refreshes)
     fast_read_sum: float = 0.0
     lagged_read_sum: float = 0.0
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verified_tokens: int = 0
+    exact_dense_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Drafted tokens that full attention agreed with (0 before any draft)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens committed per dense verify forward (0 before any)."""
+        return self.verified_tokens / self.verify_steps if self.verify_steps else 0.0
 
     @property
     def fast_read_fraction(self) -> float:
@@ -73,11 +97,25 @@ class DecodeStats:
             total.lagged_steps += part.lagged_steps
             total.fast_read_sum += part.fast_read_sum
             total.lagged_read_sum += part.lagged_read_sum
+            for name in _EXACT_COUNTERS:
+                setattr(total, name, getattr(total, name) + getattr(part, name))
             for reason, count in part.refresh_reasons.items():
                 total.refresh_reasons[reason] = total.refresh_reasons.get(reason, 0) + count
         return total
 
     def to_dict(self) -> dict[str, Any]:
+        """The counters as JSON; exact mode's under ``exact``, present only when it ran."""
+        out = self._lossy_dict()
+        if self.verify_steps or self.exact_dense_steps:
+            out["exact"] = {
+                **{name: getattr(self, name) for name in _EXACT_COUNTERS},
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "tokens_per_verify": round(self.tokens_per_verify, 4),
+                "mean_draft": round(self.drafted / self.verify_steps, 4)
+                if self.verify_steps else 0.0}
+        return out
+
+    def _lossy_dict(self) -> dict[str, Any]:
         return {
             "slow_steps": self.slow_steps,
             "fast_steps": self.fast_steps,

@@ -1,0 +1,280 @@
+"""Exact mode: fast steps draft, one dense forward verifies.
+
+Self-speculative decoding with SFI's memory as the drafter. A round of a batch:
+
+1. **draft**: gamma fast steps over the current memory (sink + selected + recent per KV head)
+   propose ``d_1 .. d_gamma`` (``sfi.planner.DRAFT``: no slow step, no probe, no state change);
+2. **verify**: the drafts' KV is forgotten (:meth:`SlowFastCache.rewind`), and one forward of
+   ``[x, d_1 .. d_gamma]`` attends densely over the whole cache (``sfi.planner.VERIFY``). It
+   writes full attention's KV for those positions, and where a refresh is due it is also the
+   slow step: its queries are the Selector's evidence, its memory laid out at its first
+   position;
+3. **accept**: greedy keeps the drafts on which full attention's argmax agrees and then full
+   attention's own token (:func:`greedy_verdict`); sampling keeps a draft with probability
+   ``min(1, p / q)`` and else draws from ``max(0, p - q)`` normalised, or from ``p`` after
+   ``gamma`` acceptances (:func:`speculative_verdict`), so that every token is distributed as
+   full attention's (Leviathan et al. 2023; Chen et al. 2023);
+4. **commit**: a batch shares one cache length, so every row keeps the batch's shortest
+   accepted prefix ``m`` plus its own token at position ``m`` (an accepted draft, or full
+   attention's); the rest is rewound. Each row's trigger walks the committed inputs
+   (:meth:`SlowFastCache.record_exact`).
+
+:class:`DraftLength` picks gamma per batch from the measured draft, verify and dense step
+times and the acceptance, and decodes densely where drafting cannot pay.
+
+Shapes: B sequences, g drafts (gamma), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sfi.cache import SlowFastCache
+from sfi.config import SFIConfig
+from sfi.errors import SFIError
+from sfi.hf import cache_argument
+from sfi.planner import DENSE_STEP, DRAFT, VERIFY
+from sfi.sequence import sparse_pays
+from sfi.steps import GREEDY_BELOW, decode_one, extended_mask, token_distribution
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What full attention says of one round's drafts.
+
+    Attributes:
+        accepted: ``[B]`` how many leading drafts each row keeps (0 .. g).
+        fix: ``[B]`` each row's token at position ``accepted``: full attention's correction,
+            or, after g acceptances, its next token (the bonus).
+    """
+
+    accepted: torch.Tensor
+    fix: torch.Tensor
+
+
+def greedy_verdict(target: torch.Tensor, drafts: torch.Tensor) -> Verdict:
+    """Greedy verification: ``target [B, g + 1, V]`` full attention's logits at the verified
+    positions, ``drafts [B, g]`` -> the longest prefix on which its argmax agrees."""
+    best = target.argmax(dim=-1)  # [B, g + 1]
+    accepted = (best[:, :-1] == drafts).long().cumprod(dim=-1).sum(dim=-1)
+    return Verdict(accepted, best.gather(1, accepted[:, None]).squeeze(1))
+
+
+def speculative_verdict(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                        generator: torch.Generator | None = None) -> Verdict:
+    """Speculative sampling: ``p [B, g + 1, V]`` full attention's distributions at the verified
+    positions, ``q [B, g, V]`` the drafter's (both normalised), ``drafts [B, g]`` drawn from
+    ``q``. Draft j is kept while ``u_j < p_j(d_j) / q_j(d_j)`` (``u_j`` uniform); at the first
+    rejection the token is drawn from ``max(0, p_j - q_j)`` normalised, after g acceptances
+    from ``p_g``: each token is then distributed as ``p``."""
+    b, g = drafts.shape
+    p_draft = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)  # [B, g]
+    q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
+    u = torch.rand(b, g, generator=generator, device=p.device)
+    accepted = (u * q_draft < p_draft).long().cumprod(dim=-1).sum(dim=-1)
+    at = accepted.clamp(max=g - 1)
+    rows = torch.arange(b, device=p.device)
+    residual = (p[rows, at] - q[rows, at]).clamp(min=0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q at that position: draw from p
+    residual = torch.where(empty, p[rows, at], residual)
+    target = torch.where((accepted == g)[:, None], p[:, -1], residual)
+    fix = torch.multinomial(target, 1, generator=generator).squeeze(-1)
+    return Verdict(accepted, fix)
+
+
+def expected_tokens(gamma: int, acceptance: float) -> float:
+    """Tokens a round of ``gamma`` drafts commits when each is accepted with probability
+    ``acceptance`` (independently): ``1 + a + ... + a^gamma``."""
+    return sum(acceptance ** j for j in range(gamma + 1))
+
+
+@dataclass
+class DraftLength:
+    """Gamma for the next round of a batch, from what the rounds measured.
+
+    Keeps running estimates (exponential averages) of a draft step's and a verify's seconds,
+    a dense step's seconds, and the per-token acceptance of the committed prefix (accepted
+    drafts over drafts tested, both decayed). The next round drafts the gamma in
+    ``[draft_min, draft_max]`` that maximises ``expected_tokens(gamma, a) / (gamma * t_draft +
+    t_verify)``; when that rate is below a dense step's ``1 / t_dense`` the batch decodes
+    densely, for ``dense_run`` steps, doubled at each round that does not pay (a dense step is
+    measured first; ``draft_fallback=False`` always drafts).
+    """
+
+    config: SFIConfig
+    gamma: int = 0
+    draft_s: float | None = None
+    verify_s: float | None = None
+    dense_s: float | None = None
+    hits: float = 0.0
+    trials: float = 0.0
+    dense_left: int = 0
+    dense_run: int = 16
+    smoothing: float = 0.3
+    decay: float = 0.9
+    history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.gamma = self.gamma or self.config.draft_tokens
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance (a prior of 0.8 over four trials before any round)."""
+        return (self.hits + 3.2) / (self.trials + 4.0)
+
+    def rate(self, gamma: int) -> float:
+        """Tokens per second of rounds of ``gamma`` drafts, by the estimates."""
+        return expected_tokens(gamma, self.acceptance) / (gamma * self.draft_s + self.verify_s)
+
+    def choose(self, room: int) -> int:
+        """The next round's gamma (at most ``room - 1``, the tokens still wanted less the
+        verify's own), or 0 for a dense step."""
+        limit = min(self.config.draft_max, room - 1)
+        fallback = self.config.draft_fallback
+        if limit < 1 or (fallback and (self.dense_s is None or self.dense_left > 0)):
+            return 0
+        if self.draft_s is None or self.verify_s is None:
+            return min(self.gamma, limit)
+        low = min(self.config.draft_min, limit)
+        best = max(range(low, limit + 1), key=self.rate)
+        if fallback and self.rate(best) * self.dense_s < 1.0:
+            self.dense_left = self.dense_run
+            self.dense_run *= 2
+            return 0
+        self.gamma = best
+        return best
+
+    def record_round(self, gamma: int, committed: int, draft_s: float, verify_s: float) -> None:
+        """A round of ``gamma`` drafts committed ``committed`` of them (plus one), its drafts
+        taking ``draft_s`` seconds in all and its verify ``verify_s``."""
+        self.draft_s = self._mix(self.draft_s, draft_s / gamma)
+        self.verify_s = self._mix(self.verify_s, verify_s)
+        self.hits = self.hits * self.decay + committed
+        self.trials = self.trials * self.decay + committed + (committed < gamma)
+        self.history.append(gamma)
+
+    def record_dense(self, seconds: float) -> None:
+        """A dense step took ``seconds``."""
+        self.dense_s = self._mix(self.dense_s, seconds)
+        self.dense_left = max(0, self.dense_left - 1)
+        if self.verify_s is not None and self.rate(self.gamma) * self.dense_s >= 1.0:
+            self.dense_run = 16  # rounds pay again at this length: back to short dense runs
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+
+class ExactDecoder:
+    """Rounds of draft, verify, accept over one :class:`SlowFastCache` batch.
+
+    Args:
+        model: the routed transformers model the cache was built for.
+        cache: its :class:`SlowFastCache` (prefilled).
+        temperature, top_p, generator: the sampling of :func:`sfi.steps.sample_next`
+            (temperature below ``GREEDY_BELOW``: greedy).
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: SlowFastCache, temperature: float,
+                 top_p: float, generator: torch.Generator | None):
+        if not isinstance(cache, SlowFastCache):
+            raise SFIError("exact mode decodes through a SlowFastCache")
+        self.model, self.cache = model, cache
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.greedy = temperature < GREEDY_BELOW
+        self.length = DraftLength(cache.config)
+
+    def advance(self, tokens: torch.Tensor, position: torch.Tensor,
+                attention_mask: torch.Tensor | None, active: list[bool], room: int
+                ) -> torch.Tensor:
+        """Feed ``tokens [B]`` (the last token of each row, not yet cached, at ``position + 1``;
+        ``attention_mask [B, T]`` covers the cache when rows are padded) and return the
+        tokens that follow ``[B, n]``, n >= 1, each full attention's (``room``: tokens still
+        wanted; ``active``: rows still wanted, the ones whose acceptance bounds the commit)."""
+        gamma = self.length.choose(room) if self._can_draft() else 0
+        try:
+            if gamma == 0:
+                return self._dense_step(tokens, position, attention_mask)
+            return self._round(gamma, tokens, position, attention_mask, active)
+        finally:
+            self.cache.phase = None
+
+    def _can_draft(self) -> bool:
+        total = self.cache.get_seq_length() + 1
+        return any(sparse_pays(seq, total) for seq in self.cache.planner.sequences)
+
+    def _dense_step(self, tokens: torch.Tensor, position: torch.Tensor,
+                    attention_mask: torch.Tensor | None) -> torch.Tensor:
+        start = time.perf_counter()
+        self.cache.phase = DENSE_STEP
+        logits = decode_one(self.model, self.cache, tokens, position + 1,
+                            extended_mask(attention_mask, 1))
+        nxt = self._sample(logits)
+        inputs = tokens.tolist()
+        self.length.record_dense(time.perf_counter() - start)
+        self.cache.record_exact([[t] for t in inputs], None, 0)
+        return nxt[:, None]
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        probs = token_distribution(logits, self.temperature, self.top_p)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        probs = token_distribution(logits, self.temperature, self.top_p)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def _round(self, gamma: int, tokens: torch.Tensor, position: torch.Tensor,
+               attention_mask: torch.Tensor | None, active: list[bool]) -> torch.Tensor:
+        cache, b = self.cache, tokens.shape[0]
+        start_length = cache.get_seq_length()
+        start = time.perf_counter()
+        cache.phase = DRAFT
+        drafts, q = [], []
+        token = tokens
+        for j in range(gamma):
+            logits = decode_one(self.model, cache, token, position + 1 + j,
+                                extended_mask(attention_mask, j + 1))
+            if self.greedy:
+                token = logits.argmax(dim=-1)
+            else:
+                q.append(self._distribution(logits))
+                token = torch.multinomial(q[-1], 1, generator=self.generator).squeeze(-1)
+            drafts.append(token)
+        drafted = torch.stack(drafts, dim=1)  # [B, g]
+        drafted.tolist()  # the drafts are done (a sync on GPUs), for the timing
+        draft_s = time.perf_counter() - start
+
+        start = time.perf_counter()
+        cache.rewind(start_length)  # the drafts' KV: computed from sparse attention
+        cache.phase = VERIFY
+        ids = torch.cat([tokens[:, None], drafted], dim=1)  # [B, g + 1]
+        steps = torch.arange(1, gamma + 2, device=position.device)
+        kwargs = {}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = extended_mask(attention_mask, gamma + 1)
+        out = self.model(input_ids=ids, position_ids=position[:, None] + steps[None, :],
+                         use_cache=True, logits_to_keep=gamma + 1,
+                         **{cache_argument(self.model): cache}, **kwargs)
+        target = out.logits[:, -(gamma + 1):]
+        if self.greedy:
+            verdict = greedy_verdict(target, drafted)
+        else:
+            verdict = speculative_verdict(self._distribution(target), torch.stack(q, dim=1),
+                                          drafted, self.generator)
+        accepted = verdict.accepted.tolist()
+        live = [n for n, alive in zip(accepted, active) if alive] or accepted
+        m = min(live)
+        cache.rewind(start_length + m + 1)  # the positions after the commit
+        rows = torch.arange(b, device=tokens.device)
+        last = torch.where(verdict.accepted > m, drafted[rows, min(m, gamma - 1)], verdict.fix)
+        emitted = torch.cat([drafted[:, :m], last[:, None]], dim=1)  # [B, m + 1]
+        inputs = ids[:, : m + 1].tolist()
+        verify_s = time.perf_counter() - start
+        self.length.record_round(gamma, m, draft_s, verify_s)
+        cache.record_exact(inputs, accepted, gamma)
+        return emitted
+

@@ -1,0 +1,60 @@
+"""One decode step's model call and the choice of its token, shared by every loop
+(:mod:`sfi.decode`, :mod:`sfi.exact`, the server's engine).
+
+Shapes: B sequences, V vocabulary, T cache length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sfi.hf import cache_argument
+
+
+def decode_one(model: torch.nn.Module, cache: Any, tokens: torch.Tensor,
+               positions: torch.Tensor, attention_mask: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """One decode step: ``tokens [B]`` at ``positions [B]`` -> next-token logits ``[B, V]``."""
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    out = model(input_ids=tokens[:, None], position_ids=positions[:, None], use_cache=True,
+                **{cache_argument(model): cache}, **kwargs)
+    return out.logits[:, -1]
+
+
+def extended_mask(attention_mask: torch.Tensor | None, more: int) -> torch.Tensor | None:
+    """``attention_mask [B, T]`` with ``more`` real positions after it (None stays None)."""
+    if attention_mask is None:
+        return None
+    return torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], more)], -1)
+
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """``[B, V]`` logits -> ``[B]`` token ids: greedy at temperature 0, else nucleus sampling.
+
+    Temperatures below ``GREEDY_BELOW`` are greedy (dividing by them overflows float32), and the
+    nucleus always keeps the most likely token, however small ``top_p`` is.
+    """
+    if temperature < GREEDY_BELOW:
+        return logits.argmax(dim=-1)
+    probs = token_distribution(logits, temperature, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def token_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """``[..., V]`` logits -> the distribution :func:`sample_next` draws from (temperature,
+    then the nucleus of ``top_p``; unnormalised after the nucleus cut), float32. Exact mode
+    takes both its draft and its target distributions from here (``sfi.exact``)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
+        keep[..., 0] = True
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return probs
