@@ -33,10 +33,15 @@ def test_generate_json_schema_both_modes(default_model):  # the fixture converts
     assert out["config"]["min_refresh_gap"] == 2
     full = json.loads(run_cli(*common, "--mode", "full").stdout)
     assert full["mode"] == "full" and full["stats"]["fast_steps"] == 0
+    exact = json.loads(run_cli(*common, "--mode", "exact", "--recent", "4", "--k-head", "4",
+                               "--force-sparse", "--set", "draft_fallback=false").stdout)
+    assert exact["mode"] == "exact" and exact["text"] == full["text"]
+    assert exact["stats"]["exact"]["verify_steps"] >= 1
 
 
 @pytest.mark.parametrize("args, message", [
     (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "hi", "--mode", "fastest"], "--mode must be one of sfi, full, exact"),
     (["--prompt", "hi", "--k-head", "-3"], "k_head must be >= 0"),
     (["--prompt", "hi", "--k-fraction", "1.5"], "k_fraction must be <= 1.0"),
     (["--prompt", "hi", "--model", "nope"], "unknown model 'nope'"),

@@ -8,7 +8,10 @@ mode continues that same prefix:
   baseline);
 - ``sfi``: slow-fast decoding with the given configuration, greedy on real text so that the
   sentence triggers fire at their natural rate;
-- ``sfi-fast-only``: the same with no refresh after the first selection (the ceiling).
+- ``sfi-fast-only``: the same with no refresh after the first selection (the ceiling);
+- ``sfi-exact``: exact mode (``sfi.exact``: fast steps draft, dense forwards verify), real text
+  only (acceptance is a property of the text); its row says whether its tokens equal
+  ``full``'s of the same cell, its acceptance and its drafts per verify.
 
 Each mode runs the last W prompt tokens as one forward (SFI makes its first selection there),
 then decodes ``new_tokens`` tokens, timing every step. The floor of a step is the bytes it must
@@ -29,12 +32,13 @@ from sfi.caches import KV, DecodeCache
 from sfi.config import SFIConfig
 from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
+from sfi.exact import ExactDecoder
 from sfi.hf import context_length, text_config
 from sfi.layout import PackedLinear
 from sfi.methods import build_cache
 from sfi.prefix import prefix_kv
 
-MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only")
+MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only", "sfi-exact")
 
 
 @dataclass
@@ -58,6 +62,11 @@ class BenchRow:
     speedup_vs_full_static: float | None = None
     weights: str = "native"
     speedup_vs_native: float | None = None
+    acceptance: float | None = None
+    tokens_per_verify: float | None = None
+    mean_draft: float | None = None
+    exact_dense_steps: int | None = None
+    same_tokens_as_full: bool | None = None
 
 
 def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -136,15 +145,18 @@ def step_kind(kinds: tuple[str, ...]) -> str:
 
 @torch.inference_mode()
 def decode_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, start: int,
-               new_tokens: int, warmup: int = 2) -> list[tuple[float, str]]:
+               new_tokens: int, warmup: int = 2, tokens: list[torch.Tensor] | None = None
+               ) -> list[tuple[float, str]]:
     """Run the last prompt tokens ``tail [B, W]`` (from position ``start``), then decode greedily;
     returns ``(seconds, kind)`` per decode step (see :func:`step_kind`), after ``warmup``
-    untimed steps (first-touch allocations)."""
+    untimed steps (first-touch allocations). ``tokens`` receives each step's ``[B]``."""
     device = tail.device
     token = prefill(model, cache, tail, start=start).argmax(-1)
     position = torch.full((tail.shape[0],), start + tail.shape[1], device=device)
     steps = []
     for _ in range(warmup + new_tokens):
+        if tokens is not None:
+            tokens.append(token)
         _sync(device)
         begin = time.perf_counter()
         token = decode_one(model, cache, token, position).argmax(-1)
@@ -152,6 +164,30 @@ def decode_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, s
         steps.append((time.perf_counter() - begin, step_kind(cache.step_kinds())))
         position = position + 1
     return steps[warmup:]
+
+
+@torch.inference_mode()
+def exact_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, start: int,
+              new_tokens: int, warmup: int = 2) -> tuple[float, torch.Tensor]:
+    """Exact mode's :func:`decode_run`: ``(seconds, tokens [B, 1 + warmup + new_tokens])``,
+    the seconds from the first token after ``warmup`` more (the first dense steps)."""
+    device = tail.device
+    token = prefill(model, cache, tail, start=start).argmax(-1)
+    position = torch.full((tail.shape[0],), start + tail.shape[1] - 1, device=device)
+    decoder = ExactDecoder(model, cache, 0.0, 1.0, None)
+    out, want, begin = [token[:, None]], 1 + warmup + new_tokens, None
+    while sum(t.shape[1] for t in out) < want:
+        if begin is None and sum(t.shape[1] for t in out) > warmup:
+            _sync(device)
+            begin, made = time.perf_counter(), sum(t.shape[1] for t in out)
+        room = want - sum(t.shape[1] for t in out)
+        emitted = decoder.advance(token, position, None, [True] * tail.shape[0], room)
+        out.append(emitted)
+        position, token = position + emitted.shape[1], emitted[:, -1]
+    _sync(device)
+    seconds = time.perf_counter() - begin
+    tokens = torch.cat(out, 1)
+    return seconds * new_tokens / (tokens.shape[1] - made), tokens[:, :want]
 
 
 def _median_ms(steps: list[tuple[float, str]], kind: str) -> float | None:
@@ -167,19 +203,25 @@ def estimate_bytes(model: torch.nn.Module, context: int, batch: int, copies: int
 
 def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIConfig,
                  ids: torch.Tensor, prefix: KV, *, kv: str, new_tokens: int, warmup: int,
-                 bandwidth: float) -> BenchRow:
+                 bandwidth: float, tokens: dict[str, torch.Tensor] | None = None) -> BenchRow:
     """One mode on one (context, batch): decode ``new_tokens`` steps after the prefix of
     ``ids [B, context]`` and time each; the floor is the bytes a step must read (weights + the
-    KV entries it attends) over ``bandwidth`` GB/s."""
+    KV entries it attends) over ``bandwidth`` GB/s. ``tokens`` keeps each mode's greedy tokens
+    of the cell (``sfi-exact`` compares its own with ``full``'s)."""
     batch, context = ids.shape
     window = config.evidence_window
     cache = make_bench_cache(mode, model, tokenizer, config, prefix,
                              context + warmup + new_tokens + 1)
-    steps = decode_run(model, cache, ids[:, -window:], context - window, new_tokens, warmup)
+    tail, start = ids[:, -window:], context - window
+    if mode == "sfi-exact":
+        return _exact_row(model, cache, config, tail, start, kv=kv, new_tokens=new_tokens,
+                          warmup=warmup, bandwidth=bandwidth, tokens=tokens)
+    made: list[torch.Tensor] = []
+    steps = decode_run(model, cache, tail, start, new_tokens, warmup, tokens=made)
+    if tokens is not None:
+        tokens[mode] = torch.stack(made, 1)
     sparse = mode.startswith("sfi")
     read = cache.stats().fast_read_fraction if sparse else None
-    entries = config.sink + config.budget(context) + config.recent if sparse else context
-    floor = (weight_bytes(model) + kv_bytes_per_entry(model) * min(entries, context) * batch)
     total = sum(t for t, _ in steps)
     return BenchRow(
         mode=mode, context=context, batch=batch, kv=kv, new_tokens=new_tokens,
@@ -190,7 +232,36 @@ def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIC
         dense_step_ms=_median_ms(steps, "dense"),
         slow_fraction=round(sum(k == "slow" for _, k in steps) / len(steps), 4),
         fast_read_fraction=round(read, 4) if read is not None else None,
-        floor_ms=round(floor / bandwidth / 1e6, 3))
+        floor_ms=_floor_ms(model, config, context, batch, bandwidth, sparse))
+
+
+def _floor_ms(model: torch.nn.Module, config: SFIConfig, context: int, batch: int,
+              bandwidth: float, sparse: bool) -> float:
+    """The bytes a step must read (weights + the KV entries it attends) over ``bandwidth``."""
+    entries = config.sink + config.budget(context) + config.recent if sparse else context
+    floor = weight_bytes(model) + kv_bytes_per_entry(model) * min(entries, context) * batch
+    return round(floor / bandwidth / 1e6, 3)
+
+
+def _exact_row(model: torch.nn.Module, cache: DecodeCache, config: SFIConfig,
+               tail: torch.Tensor, start: int, *, kv: str, new_tokens: int, warmup: int,
+               bandwidth: float, tokens: dict[str, torch.Tensor] | None) -> BenchRow:
+    seconds, made = exact_run(model, cache, tail, start, new_tokens, warmup)
+    stats = cache.stats()
+    batch = tail.shape[0]
+    full = (tokens or {}).get("full")
+    same = None if full is None else bool(torch.equal(full, made[:, : full.shape[1]]))
+    verifies = stats.verify_steps
+    return BenchRow(
+        mode="sfi-exact", context=start + tail.shape[1], batch=batch, kv=kv,
+        new_tokens=new_tokens, decode_tok_s=round(batch * new_tokens / seconds, 3),
+        step_ms=round(1000 * seconds / new_tokens, 3), fast_step_ms=None, slow_step_ms=None,
+        dense_step_ms=None, slow_fraction=0.0, fast_read_fraction=None,
+        floor_ms=_floor_ms(model, config, start + tail.shape[1], batch, bandwidth, False),
+        acceptance=round(stats.acceptance_rate, 4),
+        tokens_per_verify=round(stats.tokens_per_verify, 3),
+        mean_draft=round(stats.drafted / verifies, 3) if verifies else 0.0,
+        exact_dense_steps=stats.exact_dense_steps, same_tokens_as_full=same)
 
 
 def add_speedups(cell: list[BenchRow]) -> None:
@@ -213,6 +284,9 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
     if unknown:
         raise SFIError(f"unknown bench mode(s) {', '.join(unknown)}; choose from "
                        f"{', '.join(MODES)}")
+    if synthetic_kv and "sfi-exact" in modes:
+        raise SFIError("sfi-exact needs real text (its speed is its acceptance, which synthetic "
+                       "KV says nothing of): drop --synthetic-kv or the mode")
     limit = context_length(model)
     if not synthetic_kv and limit is not None and max(contexts) + warmup + new_tokens > limit:
         raise SFIError(f"a context of {max(contexts)} plus {warmup} warm-up and {new_tokens} new "
@@ -236,12 +310,13 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
             ids = benchmark_ids(tokenizer, context, batch).to(next(model.parameters()).device)
             prefix = prefix_kv(model, ids[:, :-config.evidence_window], synthetic_kv)
             cell: list[BenchRow] = []
+            made: dict[str, torch.Tensor] = {}
             for mode in modes:
                 if progress:
                     progress(f"context {context}, batch {batch}: {mode}")
                 cell.append(measure_cell(model, tokenizer, mode, config, ids, prefix, kv=kv,
                                          new_tokens=new_tokens, warmup=warmup,
-                                         bandwidth=bandwidth))
+                                         bandwidth=bandwidth, tokens=made))
             add_speedups(cell)
             rows.extend(cell)
             del prefix

@@ -25,6 +25,8 @@ BENCH_COLUMNS = {"mode": "mode", "context": "context", "batch": "B", "kv": "KV",
                  "dense_step_ms": "dense ms", "slow_fraction": "slow frac",
                  "floor_ms": "floor ms", "speedup_vs_full": "x full",
                  "speedup_vs_full_static": "x static"}
+EXACT_COLUMNS = {"acceptance": "accepted", "tokens_per_verify": "tok/verify",
+                 "exact_dense_steps": "dense steps", "same_tokens_as_full": "= full"}
 
 
 @sfi_options
@@ -35,7 +37,8 @@ def bench_cmd(
         "4096,8192,16384,32768",
     batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
     new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
-    modes: Annotated[str, typer.Option(help="full,full-static,sfi,sfi-fast-only")] =
+    modes: Annotated[str, typer.Option(help="full,full-static,sfi,sfi-fast-only,sfi-exact "
+                                       "(exact mode: real text only)")] =
         "full,full-static,sfi,sfi-fast-only",
     synthetic_kv: Annotated[bool, typer.Option("--synthetic-kv", help="random KV of the right "
                                                "shape instead of a prefill (throughput only)")]
@@ -71,6 +74,8 @@ def bench_cmd(
         print(json.dumps(result))
         return
     columns = dict(BENCH_COLUMNS)
+    if "sfi-exact" in mode_list:
+        columns.update(EXACT_COLUMNS)
     if len(format_list) > 1:
         columns = {"weights": "weights", **columns, "speedup_vs_native": "x native"}
     print_table(f"{model}: decode throughput ({result['bandwidth_gb_s']} GB/s measured memory "

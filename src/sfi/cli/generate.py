@@ -24,6 +24,12 @@ from sfi.errors import PromptError, SFIError
 
 def _summary(result) -> str:
     s, t = result.stats, result.timing
+    if result.mode == "exact":
+        return (f"[dim]exact: {result.prompt_tokens} prompt tokens, {result.new_tokens} new "
+                f"(full attention's); prefill {t.prefill_s:.2f} s, decode {t.decode_tok_s:.1f} "
+                f"tok/s; {s.verify_steps} verifies of {s.drafted} drafts, "
+                f"{100 * s.acceptance_rate:.0f}% accepted, {s.tokens_per_verify:.2f} tokens per "
+                f"verify; {s.exact_dense_steps} dense steps[/dim]")
     return (f"[dim]{result.mode}: {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
             f"prefill {t.prefill_s:.2f} s, decode {t.decode_tok_s:.1f} tok/s; steps slow "
             f"{s.slow_steps} / fast {s.fast_steps} / dense {s.dense_steps}; fast steps read "
@@ -100,7 +106,8 @@ def generate_cmd(
     prompt: Annotated[str | None, typer.Option(help="the prompt text")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="read the prompt from a file")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 128,
-    mode: Annotated[str, typer.Option(help="sfi | full")] = "sfi",
+    mode: Annotated[str, typer.Option(help="sfi | full | exact (fast steps draft, dense "
+                                      "forwards verify: full attention's tokens)")] = "sfi",
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = False,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -112,7 +119,8 @@ def generate_cmd(
     weights: WeightsOpt = "native",
     as_json: JsonOpt = False,
 ) -> None:
-    """Generate a continuation of a prompt with slow-fast decoding (or full attention)."""
+    """Generate a continuation of a prompt with slow-fast decoding (or full attention, or exact
+    mode: SFI's speed where drafts are accepted, full attention's tokens always)."""
     if (prompt is None) == (prompt_file is None):
         raise SFIError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if prompt_file is not None and not prompt_file.is_file():
@@ -125,8 +133,13 @@ def generate_cmd(
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
     if not text.strip():
         raise PromptError("the prompt is empty: give some text to continue")
+    from sfi.decode import MODES
+
+    if mode not in MODES:
+        raise SFIError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "full" and config is not None:
-        raise SFIError("the SFI options apply to --mode sfi; full attention takes none")
+        raise SFIError("the SFI options apply to --mode sfi and exact; full attention takes "
+                       "none")
     loaded_model, tokenizer = load_model(model, as_json, weights=one_format(weights))
     result = _generate(loaded_model, tokenizer, text, as_json, f"decoding ({mode})",
                        stream=stream, config=config, max_new_tokens=max_new_tokens, mode=mode,
