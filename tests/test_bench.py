@@ -37,7 +37,7 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
     result = subprocess.run(
         [sys.executable, "-m", "sfi.cli", "bench", "--model", str(folder), "--contexts", "48,96",
          "--batch", "1,2", "--new-tokens", "4", "--sink", "2", "--k-head", "8", "--recent", "8",
-         "--evidence-window", "4", "--json", "--plot", str(plot)],
+         "--evidence-window", "4", "--modes", ",".join(MODES), "--json", "--plot", str(plot)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
@@ -47,7 +47,10 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
     for row in rows:
         assert set(row) >= ROW_FIELDS
         assert row["decode_tok_s"] > 0 and row["floor_ms"] > 0
-        if row["mode"].startswith("sfi"):
+        if row["mode"] == "sfi-exact":  # full attention's tokens, measured as such
+            assert row["same_tokens_as_full"] is True and 0 <= row["acceptance"] <= 1
+            assert row["tokens_per_verify"] >= 1 or row["exact_dense_steps"] > 0
+        elif row["mode"].startswith("sfi"):
             assert row["fast_step_ms"] is not None
         else:
             assert row["fast_step_ms"] is None and row["slow_fraction"] == 0
@@ -55,6 +58,13 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
             assert row["speedup_vs_full"] == 1.0
     assert {r["mode"] for r in rows if r["mode"] == "sfi-fast-only" and r["slow_fraction"] == 0}
     assert plot.stat().st_size > 1000
+
+
+def test_bench_refuses_exact_mode_on_synthetic_kv(smol_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smol_tokenizer))
+    with pytest.raises(SFIError, match="sfi-exact needs real text"):
+        run_bench(model, smol_tokenizer, contexts=[64], batches=[1], new_tokens=2,
+                  config=SFIConfig(), modes=["full", "sfi-exact"], synthetic_kv=True)
 
 
 def test_bench_rejects_bad_contexts():

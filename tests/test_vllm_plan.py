@@ -171,6 +171,8 @@ def test_the_plugins_slots_are_set_in_sfi_vllm():
     assert parse_settings("k_head=64")[1] is None
     with pytest.raises(SFIConfigError, match="slots must be a whole number"):
         parse_settings("slots=0")
+    with pytest.raises(SFIConfigError, match="draft_tokens set exact mode's drafts"):
+        parse_settings("k_head=64,draft_tokens=6")  # not run by the plugin: refused, not ignored
     try:
         configure(SFIConfig(), slots=3)
         assert active_slots(256) == 3 and active_slots(2) == 2

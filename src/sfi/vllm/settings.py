@@ -9,6 +9,7 @@ from sfi.errors import SFIConfigError
 
 ENV = "SFI_VLLM"
 DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries per layer)
+EXACT_FIELDS = ("draft_tokens", "draft_min", "draft_max", "draft_fallback")  # sfi.exact's
 
 
 def parse_config(spec: str) -> SFIConfig:
@@ -36,7 +37,13 @@ def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
             slots = int(value)
         else:
             rest.append(item)
-    config = SFIConfig.from_preset(preset, **parse_overrides(rest, where=ENV))
+    overrides = parse_overrides(rest, where=ENV)
+    exact = [name for name in EXACT_FIELDS if name in overrides]
+    if exact:
+        raise SFIConfigError(f"{ENV}: {', '.join(exact)} set exact mode's drafts, which the "
+                             "vLLM plugin does not run (exact mode is sfi.generate's and "
+                             "sfi generate's)")
+    config = SFIConfig.from_preset(preset, **overrides)
     return config, slots
 
 
