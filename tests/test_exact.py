@@ -146,8 +146,11 @@ def test_draft_length_drafts_where_it_pays_and_falls_back_where_not():
     slow = DraftLength(SFIConfig())
     slow.record_dense(0.100)
     gamma = slow.choose(100)
-    slow.record_round(gamma, 0, draft_s=gamma * 0.090, verify_s=0.150)  # drafts cost a step
-    assert slow.choose(100) == 0 and slow.dense_left == 16
+    for _ in range(slow.judged_after):  # drafts that cost a dense step each
+        assert gamma > 0
+        slow.record_round(gamma, 0, draft_s=gamma * 0.090, verify_s=0.150)
+        gamma = slow.choose(100)
+    assert gamma == 0 and slow.dense_left == 16
     assert expected_tokens(3, 0.5) == pytest.approx(1.875)
 
 

@@ -99,7 +99,8 @@ class DraftLength:
     a dense step's seconds, and the per-token acceptance of the committed prefix (accepted
     drafts over drafts tested, both decayed). The next round drafts the gamma in
     ``[draft_min, draft_max]`` that maximises ``expected_tokens(gamma, a) / (gamma * t_draft +
-    t_verify)``; when that rate is below a dense step's ``1 / t_dense`` the batch decodes
+    t_verify)``; when that rate (after ``judged_after`` rounds) is below a dense step's
+    ``1 / t_dense`` the batch decodes
     densely, for ``dense_run`` steps, doubled at each round that does not pay (a dense step is
     measured first; ``draft_fallback=False`` always drafts).
     """
@@ -113,6 +114,7 @@ class DraftLength:
     trials: float = 0.0
     dense_left: int = 0
     dense_run: int = 16
+    judged_after: int = 3  # rounds measured before the first fallback (the first is warm-up)
     smoothing: float = 0.3
     decay: float = 0.9
     history: list[int] = field(default_factory=list)
@@ -140,7 +142,8 @@ class DraftLength:
             return min(self.gamma, limit)
         low = min(self.config.draft_min, limit)
         best = max(range(low, limit + 1), key=self.rate)
-        if fallback and self.rate(best) * self.dense_s < 1.0:
+        if fallback and len(self.history) >= self.judged_after and \
+                self.rate(best) * self.dense_s < 1.0:
             self.dense_left = self.dense_run
             self.dense_run *= 2
             return 0
