@@ -313,3 +313,22 @@ def _sparse_law(model, prompt, v, config, temperature):
         p2 = torch.softmax(l2 / temperature, -1).view(v, v, v)[:, 0]  # [t1, t2]
         p3 = torch.softmax(l3 / temperature, -1).view(v, v, v)
     return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def test_committed_inputs_walk_the_trigger_and_a_rejected_first_draft_refreshes():
+    from sfi.sequence import ACCEPTANCE, Memory, SequenceState, record_verified
+    from sfi.triggers import FixedPeriodTrigger
+
+    seq = SequenceState(pad=0, config=SFIConfig(min_refresh_gap=2),
+                        trigger=FixedPeriodTrigger(4), scorer=None)
+    seq.memory = Memory(pad=0, sink=4, sink_end=4, recent_start=10, k=5)
+    record_verified(seq, [1, 2], refreshed=False, accepted=1)
+    assert seq.steps_since_refresh == 2 and seq.refresh_due is None
+    record_verified(seq, [3, 4, 5], refreshed=False, accepted=2)  # the 4th step fires
+    assert seq.refresh_due == "period" and seq.steps_since_refresh == 5
+    seq.steps_since_refresh, seq.refresh_due = 0, ACCEPTANCE  # a verify refreshed (commit)
+    record_verified(seq, [6, 7, 8], refreshed=True, accepted=2)
+    assert seq.refresh_due is None and seq.steps_since_refresh == 2
+    assert seq.stats.refresh_reasons[ACCEPTANCE] == 1
+    record_verified(seq, [9], refreshed=False, accepted=0)  # rejected at the first draft
+    assert seq.refresh_due == ACCEPTANCE

@@ -178,6 +178,9 @@ def record_verified(seq: SequenceState, inputs: Iterable[int], refreshed: bool,
         steps = seq.steps_since_refresh + 1
         if refreshed and j == 0:
             seq.trigger.advance(token, steps)
+            if seq.refresh_due == ACCEPTANCE:  # exact mode's own reason (record_step skips it)
+                reasons = seq.stats.refresh_reasons
+                reasons[ACCEPTANCE] = reasons.get(ACCEPTANCE, 0) + 1
             seq.refresh_due = None
             continue  # the refresh step itself: the count restarted at it
         if seq.refresh_due is None and seq.memory is not None:
