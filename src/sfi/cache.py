@@ -26,7 +26,7 @@ from sfi.overlap import Rebuilder, make_rebuilder
 from sfi.planner import Planner, StepPlan, TriggerFactory
 from sfi.scorers import Scorer
 from sfi.selector import SFISelector
-from sfi.sequence import Memory, record_verified
+from sfi.sequence import SLOW, Memory, record_verified
 from sfi.stats import DecodeStats
 from sfi.triggers import make_trigger, token_classes
 
@@ -199,7 +199,7 @@ class SlowFastCache(Cache):
             raise SFIError(f"record_exact got {len(inputs)} rows; the batch has "
                            f"{self.batch_size}")
         for row, (seq, tokens) in enumerate(zip(self.planner.sequences, inputs)):
-            refreshed = accepted is not None and self._kinds[row] == "slow"
+            refreshed = accepted is not None and self._kinds[row] == SLOW
             record_verified(seq, tokens, refreshed, None if accepted is None else accepted[row])
             if accepted is None:
                 seq.stats.exact_dense_steps += 1

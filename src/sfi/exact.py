@@ -28,7 +28,7 @@ Shapes: B sequences, g drafts (gamma), V vocabulary.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,7 @@ from sfi.errors import SFIError
 from sfi.hf import cache_argument
 from sfi.planner import DENSE_STEP, DRAFT, VERIFY
 from sfi.sequence import sparse_pays
-from sfi.steps import GREEDY_BELOW, decode_one, extended_mask, token_distribution
+from sfi.steps import GREEDY_BELOW, decode_one, extended_mask, sample_next, token_distribution
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class DraftLength:
     judged_after: int = 3  # rounds measured before the first fallback (the first is warm-up)
     smoothing: float = 0.3
     decay: float = 0.9
-    history: list[int] = field(default_factory=list)
+    rounds: int = 0
 
     def __post_init__(self) -> None:
         self.gamma = self.gamma or self.config.draft_tokens
@@ -142,7 +142,7 @@ class DraftLength:
             return min(self.gamma, limit)
         low = min(self.config.draft_min, limit)
         best = max(range(low, limit + 1), key=self.rate)
-        if fallback and len(self.history) >= self.judged_after and \
+        if fallback and self.rounds >= self.judged_after and \
                 self.rate(best) * self.dense_s < 1.0:
             self.dense_left = self.dense_run
             self.dense_run *= 2
@@ -157,7 +157,7 @@ class DraftLength:
         self.verify_s = self._mix(self.verify_s, verify_s)
         self.hits = self.hits * self.decay + committed
         self.trials = self.trials * self.decay + committed + (committed < gamma)
-        self.history.append(gamma)
+        self.rounds += 1
 
     def record_dense(self, seconds: float) -> None:
         """A dense step took ``seconds``."""
@@ -214,17 +214,11 @@ class ExactDecoder:
         self.cache.phase = DENSE_STEP
         logits = decode_one(self.model, self.cache, tokens, position + 1,
                             extended_mask(attention_mask, 1))
-        nxt = self._sample(logits)
+        nxt = sample_next(logits, self.temperature, self.top_p, self.generator)
         inputs = tokens.tolist()
         self.length.record_dense(time.perf_counter() - start)
         self.cache.record_exact([[t] for t in inputs], None, 0)
         return nxt[:, None]
-
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.greedy:
-            return logits.argmax(dim=-1)
-        probs = token_distribution(logits, self.temperature, self.top_p)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
         probs = token_distribution(logits, self.temperature, self.top_p)

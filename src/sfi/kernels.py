@@ -87,15 +87,13 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
         q: ``[B, H, G * Q, D]``, rows ordered (query head, query); k, v: ``[B, H, T, D]``;
         bias: ``[B or 1, Q, T]`` additive (causal within the block, padding).
     Returns:
-        ``(out [B, H, G * Q, D], logits [B, H, G * Q, T], attention)`` as
-        :func:`dense_attention`'s, the logits biased (the rows of :func:`window_logits`).
+        :func:`dense_attention`'s ``(out, logits, attention)`` with ``G * Q`` rows (those of
+        :func:`window_logits`), which it computes: each query's bias repeated over its G rows.
     """
-    b, h, rows, _ = q.shape
+    rows = q.shape[2]
     t = k.shape[-2]
-    logits = attention_logits(q, k, scale, softcap).view(b, h, rows // queries, queries, t)
-    logits = (logits + bias[:, None, None]).view(b, h, rows, t)
-    attention = torch.softmax(logits, dim=-1)
-    return torch.matmul(attention.to(v.dtype), v), logits, attention
+    per_row = bias[:, None, None].expand(-1, 1, rows // queries, queries, t)
+    return dense_attention(q, k, v, per_row.reshape(-1, 1, rows, t), scale, softcap)
 
 
 def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Tensor,

@@ -59,6 +59,11 @@ class DecodeStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def mean_draft(self) -> float:
+        """Drafted tokens per verify, gamma on average (0 before any)."""
+        return self.drafted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
     def tokens_per_verify(self) -> float:
         """Tokens committed per dense verify forward (0 before any)."""
         return self.verified_tokens / self.verify_steps if self.verify_steps else 0.0
@@ -111,8 +116,7 @@ class DecodeStats:
                 **{name: getattr(self, name) for name in _EXACT_COUNTERS},
                 "acceptance_rate": round(self.acceptance_rate, 4),
                 "tokens_per_verify": round(self.tokens_per_verify, 4),
-                "mean_draft": round(self.drafted / self.verify_steps, 4)
-                if self.verify_steps else 0.0}
+                "mean_draft": round(self.mean_draft, 4)}
         return out
 
     def _lossy_dict(self) -> dict[str, Any]:

@@ -175,19 +175,18 @@ def exact_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, st
     token = prefill(model, cache, tail, start=start).argmax(-1)
     position = torch.full((tail.shape[0],), start + tail.shape[1] - 1, device=device)
     decoder = ExactDecoder(model, cache, 0.0, 1.0, None)
-    out, want, begin = [token[:, None]], 1 + warmup + new_tokens, None
-    while sum(t.shape[1] for t in out) < want:
-        if begin is None and sum(t.shape[1] for t in out) > warmup:
+    out, want, have, begin, timed_from = [token[:, None]], 1 + warmup + new_tokens, 1, None, 0
+    while have < want:
+        if begin is None and have > warmup:
             _sync(device)
-            begin, made = time.perf_counter(), sum(t.shape[1] for t in out)
-        room = want - sum(t.shape[1] for t in out)
-        emitted = decoder.advance(token, position, None, [True] * tail.shape[0], room)
+            begin, timed_from = time.perf_counter(), have
+        emitted = decoder.advance(token, position, None, [True] * tail.shape[0], want - have)
         out.append(emitted)
+        have += emitted.shape[1]
         position, token = position + emitted.shape[1], emitted[:, -1]
     _sync(device)
     seconds = time.perf_counter() - begin
-    tokens = torch.cat(out, 1)
-    return seconds * new_tokens / (tokens.shape[1] - made), tokens[:, :want]
+    return seconds * new_tokens / (have - timed_from), torch.cat(out, 1)[:, :want]
 
 
 def _median_ms(steps: list[tuple[float, str]], kind: str) -> float | None:
@@ -251,7 +250,6 @@ def _exact_row(model: torch.nn.Module, cache: DecodeCache, config: SFIConfig,
     batch = tail.shape[0]
     full = (tokens or {}).get("full")
     same = None if full is None else bool(torch.equal(full, made[:, : full.shape[1]]))
-    verifies = stats.verify_steps
     return BenchRow(
         mode="sfi-exact", context=start + tail.shape[1], batch=batch, kv=kv,
         new_tokens=new_tokens, decode_tok_s=round(batch * new_tokens / seconds, 3),
@@ -260,7 +258,7 @@ def _exact_row(model: torch.nn.Module, cache: DecodeCache, config: SFIConfig,
         floor_ms=_floor_ms(model, config, start + tail.shape[1], batch, bandwidth, False),
         acceptance=round(stats.acceptance_rate, 4),
         tokens_per_verify=round(stats.tokens_per_verify, 3),
-        mean_draft=round(stats.drafted / verifies, 3) if verifies else 0.0,
+        mean_draft=round(stats.mean_draft, 3),
         exact_dense_steps=stats.exact_dense_steps, same_tokens_as_full=same)
 
 
