@@ -20,6 +20,7 @@ from sfi.decode import encode_prompts, prefill
 from sfi.exact import (
     DraftLength,
     ExactDecoder,
+    Sampling,
     expected_tokens,
     greedy_verdict,
     speculative_verdict,
@@ -216,7 +217,7 @@ def test_the_cache_holds_full_attentions_kv_after_every_verify(tiny_llama_with_t
         cache = SlowFastCache(model, config, tokenizer=tokenizer)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = prefill(model, cache, ids, attention_mask=mask, positions=positions)
-        decoder = ExactDecoder(model, cache, 0.0, 1.0, None)
+        decoder = ExactDecoder(model, cache)
         token, position, fed = logits.argmax(-1), positions[:, -1], [ids]
         for _ in range(8):
             emitted = decoder.advance(token, position, mask, [True, True], room=64)
@@ -270,7 +271,7 @@ def test_sampled_tokens_are_distributed_as_full_attentions():
         logits = prefill(model, cache, prompt[:, 36:].expand(n, -1), start=36)
         gen = torch.Generator().manual_seed(0)
         first = torch.multinomial(token_distribution(logits, 0.7, 1.0), 1, generator=gen)[:, 0]
-        decoder = ExactDecoder(model, cache, 0.7, 1.0, gen)
+        decoder = ExactDecoder(model, cache, Sampling(0.7, 1.0, gen))
         drawn, token, position = [first[:, None]], first, torch.full((n,), 39)
         while sum(t.shape[1] for t in drawn) < 3:
             emitted = decoder.advance(token, position, None, [True] * n, room=8)

@@ -62,6 +62,38 @@ def test_full_mode_and_budget_override(server, tiny):
     assert wide.choices[0].text == expected.text  # a budget covering everything = full
 
 
+def test_exact_requests_equal_full_attention(tiny):
+    """Exact requests (a padded batch of their own, rounds of drafts and verifies) give full
+    attention's replies while a lossy request runs beside them; the server's default mode
+    applies to requests that name none, and /metrics counts the drafts."""
+    model, tok = tiny
+    full = [sfi.generate(model, tok, p, mode="full", max_new_tokens=16).text for p in PROMPTS]
+    lossy = sfi.generate(model, tok, PROMPTS[0], config=CONFIG, max_new_tokens=16).text
+    results: dict[tuple[int, str | None], object] = {}
+
+    def ask(i: int, mode: str | None) -> None:
+        extra = {} if mode is None else {"mode": mode}
+        results[i, mode] = running.client().completions.create(
+            model="tiny", prompt=PROMPTS[i], max_tokens=16, temperature=0, extra_body=extra)
+
+    with Server(*tiny, default_mode="exact") as running:
+        threads = [threading.Thread(target=ask, args=(i, None)) for i in range(len(PROMPTS))]
+        threads.append(threading.Thread(target=ask, args=(0, "sfi")))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        metrics = httpx.get(f"{running.url}/metrics").text
+    assert [results[i, None].choices[0].text for i in range(len(PROMPTS))] == full
+    assert results[0, "sfi"].choices[0].text == lossy
+    extra = results[0, None].model_extra["sfi"]
+    assert extra["mode"] == "exact" and extra["exact"]["verify_steps"] >= 1
+    assert extra["exact"]["drafted"] > extra["exact"]["accepted"]  # rejections were exercised
+    counted = dict(line.split(" ") for line in metrics.splitlines() if line[:1] != "#")
+    assert float(counted["sfi_exact_drafted_total"]) >= extra["exact"]["drafted"]
+    assert float(counted["sfi_exact_verify_steps_total"]) >= 1
+
+
 def test_streaming_completion_and_chat(server):
     client = server.client()
     pieces = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8,
@@ -128,6 +160,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     ({"model": "gpt-9", "prompt": "hi"}, 404, "does not exist"),
     ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"model": "tiny", "prompt": "hi", "sfi": {"k_fraction": 2}}, 400, "k_fraction"),
+    ({"model": "tiny", "prompt": "hi", "mode": "fastest"}, 400, "mode"),
 ])
 def test_bad_input_gets_an_openai_error(server, body, status, fragment):
     path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"

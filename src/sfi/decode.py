@@ -30,7 +30,7 @@ import torch
 
 from sfi.config import SFIConfig
 from sfi.errors import PromptError, SFIError
-from sfi.exact import ExactDecoder
+from sfi.exact import ExactDecoder, Sampling
 from sfi.hf import cache_argument, context_length, eos_token_ids
 from sfi.methods import build_cache
 from sfi.scorers import Scorer
@@ -389,7 +389,7 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
     timing.prefill_s = time.perf_counter() - start
 
     position = positions[:, -1]
-    exact = ExactDecoder(model, cache, temperature, top_p, generator) if mode == "exact" \
+    exact = ExactDecoder(model, cache, Sampling(temperature, top_p, generator)) if mode == "exact" \
         else None
 
     def push(tokens: list[int]) -> None:

@@ -28,6 +28,7 @@ Shapes: B sequences, g drafts (gamma), V vocabulary.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,13 @@ from sfi.errors import SFIError
 from sfi.hf import cache_argument
 from sfi.planner import DENSE_STEP, DRAFT, VERIFY
 from sfi.sequence import sparse_pays
-from sfi.steps import GREEDY_BELOW, decode_one, extended_mask, sample_next, token_distribution
+from sfi.steps import (
+    GREEDY_BELOW,
+    decode_one,
+    extended_mask,
+    sample_next,
+    token_distribution,
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,45 @@ def speculative_verdict(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     target = torch.where((accepted == g)[:, None], p[:, -1], residual)
     fix = torch.multinomial(target, 1, generator=generator).squeeze(-1)
     return Verdict(accepted, fix)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one row chooses its tokens: :func:`sfi.steps.sample_next`'s temperature (below
+    ``GREEDY_BELOW``: greedy), nucleus ``top_p`` and random ``generator``. Rows given the same
+    ``Sampling`` object draw together, in one call."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits -> the normalised distribution this row draws from."""
+        probs = token_distribution(logits, self.temperature, self.top_p)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _groups(samplings: Sequence[Sampling]) -> list[tuple[Sampling, list[int]]]:
+    """The rows of each distinct ``Sampling`` object, in first-seen order."""
+    found: dict[int, tuple[Sampling, list[int]]] = {}
+    for row, sampling in enumerate(samplings):
+        found.setdefault(id(sampling), (sampling, []))[1].append(row)
+    return list(found.values())
+
+
+@dataclass
+class RoundCounts:
+    """What one :meth:`ExactDecoder.advance` did, summed over the batch's rows: verify
+    forwards, tokens drafted and accepted, dense steps (rows x steps)."""
+
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    dense_steps: int = 0
 
 
 def expected_tokens(gamma: int, acceptance: float) -> float:
@@ -176,31 +222,39 @@ class ExactDecoder:
     Args:
         model: the routed transformers model the cache was built for.
         cache: its :class:`SlowFastCache` (prefilled).
-        temperature, top_p, generator: the sampling of :func:`sfi.steps.sample_next`
-            (temperature below ``GREEDY_BELOW``: greedy).
+        sampling: how every row draws (:class:`Sampling`; the default is greedy); a call of
+            :meth:`advance` may give each row its own.
+
+    :attr:`last` says what the last :meth:`advance` did (a server's metrics add it up).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: SlowFastCache, temperature: float,
-                 top_p: float, generator: torch.Generator | None):
+    def __init__(self, model: torch.nn.Module, cache: SlowFastCache,
+                 sampling: Sampling | None = None):
         if not isinstance(cache, SlowFastCache):
             raise SFIError("exact mode decodes through a SlowFastCache")
         self.model, self.cache = model, cache
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.greedy = temperature < GREEDY_BELOW
+        self.sampling = sampling or Sampling()
         self.length = DraftLength(cache.config)
+        self.last = RoundCounts()
 
     def advance(self, tokens: torch.Tensor, position: torch.Tensor,
-                attention_mask: torch.Tensor | None, active: list[bool], room: int
-                ) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, active: list[bool], room: int,
+                samplings: Sequence[Sampling] | None = None) -> torch.Tensor:
         """Feed ``tokens [B]`` (the last token of each row, not yet cached, at ``position + 1``;
         ``attention_mask [B, T]`` covers the cache when rows are padded) and return the
         tokens that follow ``[B, n]``, n >= 1, each full attention's (``room``: tokens still
-        wanted; ``active``: rows still wanted, the ones whose acceptance bounds the commit)."""
+        wanted; ``active``: rows still wanted, the ones whose acceptance bounds the commit;
+        ``samplings``: each row's, else the decoder's for all)."""
+        if samplings is None:
+            samplings = [self.sampling] * tokens.shape[0]
+        elif len(samplings) != tokens.shape[0]:
+            raise SFIError(f"{len(samplings)} samplings for a batch of {tokens.shape[0]} rows")
+        groups = _groups(samplings)
         gamma = self.length.choose(room) if self._can_draft() else 0
         try:
             if gamma == 0:
-                return self._dense_step(tokens, position, attention_mask)
-            return self._round(gamma, tokens, position, attention_mask, active)
+                return self._dense_step(tokens, position, attention_mask, groups)
+            return self._round(gamma, tokens, position, attention_mask, active, groups)
         finally:
             self.cache.phase = None
 
@@ -209,38 +263,69 @@ class ExactDecoder:
         return any(sparse_pays(seq, total) for seq in self.cache.planner.sequences)
 
     def _dense_step(self, tokens: torch.Tensor, position: torch.Tensor,
-                    attention_mask: torch.Tensor | None) -> torch.Tensor:
+                    attention_mask: torch.Tensor | None,
+                    groups: list[tuple[Sampling, list[int]]]) -> torch.Tensor:
         start = time.perf_counter()
         self.cache.phase = DENSE_STEP
         logits = decode_one(self.model, self.cache, tokens, position + 1,
                             extended_mask(attention_mask, 1))
-        nxt = sample_next(logits, self.temperature, self.top_p, self.generator)
+        nxt = torch.empty_like(tokens)
+        for sampling, rows in groups:
+            nxt[rows] = sample_next(logits[rows], sampling.temperature, sampling.top_p,
+                                    sampling.generator)
         inputs = tokens.tolist()
         self.length.record_dense(time.perf_counter() - start)
         self.cache.record_exact([[t] for t in inputs], None, 0)
+        self.last = RoundCounts(dense_steps=len(inputs))
         return nxt[:, None]
 
-    def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        probs = token_distribution(logits, self.temperature, self.top_p)
-        return probs / probs.sum(dim=-1, keepdim=True)
+    @staticmethod
+    def _draw(logits: torch.Tensor, groups: list[tuple[Sampling, list[int]]]
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft step's ``[B]`` tokens from its ``logits [B, V]``, and ``[B, V]`` the
+        distributions the sampled rows drew from (None when every row is greedy)."""
+        token = logits.argmax(dim=-1)
+        q = None
+        for sampling, rows in groups:
+            if sampling.greedy:
+                continue
+            if q is None:
+                q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+            q[rows] = sampling.distribution(logits[rows])
+            token[rows] = torch.multinomial(q[rows], 1, generator=sampling.generator
+                                            ).squeeze(-1)
+        return token, q
+
+    @staticmethod
+    def _verdict(target: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None,
+                 groups: list[tuple[Sampling, list[int]]]) -> Verdict:
+        """Each group's verdict (greedy, or speculative against its drafts' ``q``)."""
+        accepted = torch.empty(drafted.shape[0], dtype=torch.long, device=drafted.device)
+        fix = torch.empty_like(accepted)
+        for sampling, rows in groups:
+            if sampling.greedy:
+                verdict = greedy_verdict(target[rows], drafted[rows])
+            else:
+                verdict = speculative_verdict(sampling.distribution(target[rows]), q[rows],
+                                              drafted[rows], sampling.generator)
+            accepted[rows], fix[rows] = verdict.accepted, verdict.fix
+        return Verdict(accepted, fix)
 
     def _round(self, gamma: int, tokens: torch.Tensor, position: torch.Tensor,
-               attention_mask: torch.Tensor | None, active: list[bool]) -> torch.Tensor:
+               attention_mask: torch.Tensor | None, active: list[bool],
+               groups: list[tuple[Sampling, list[int]]]) -> torch.Tensor:
         cache, b = self.cache, tokens.shape[0]
         start_length = cache.get_seq_length()
         start = time.perf_counter()
         cache.phase = DRAFT
-        drafts, q = [], []
+        drafts, qs = [], []
         token = tokens
         for j in range(gamma):
             logits = decode_one(self.model, cache, token, position + 1 + j,
                                 extended_mask(attention_mask, j + 1))
-            if self.greedy:
-                token = logits.argmax(dim=-1)
-            else:
-                q.append(self._distribution(logits))
-                token = torch.multinomial(q[-1], 1, generator=self.generator).squeeze(-1)
+            token, q = self._draw(logits, groups)
             drafts.append(token)
+            qs.append(q)
         drafted = torch.stack(drafts, dim=1)  # [B, g]
         drafted.tolist()  # the drafts are done (a sync on GPUs), for the timing
         draft_s = time.perf_counter() - start
@@ -257,11 +342,8 @@ class ExactDecoder:
                          use_cache=True, logits_to_keep=gamma + 1,
                          **{cache_argument(self.model): cache}, **kwargs)
         target = out.logits[:, -(gamma + 1):]
-        if self.greedy:
-            verdict = greedy_verdict(target, drafted)
-        else:
-            verdict = speculative_verdict(self._distribution(target), torch.stack(q, dim=1),
-                                          drafted, self.generator)
+        q = None if qs[0] is None else torch.stack(qs, dim=1)  # [B, g, V]
+        verdict = self._verdict(target, drafted, q, groups)
         accepted = verdict.accepted.tolist()
         live = [n for n, alive in zip(accepted, active) if alive] or accepted
         m = min(live)
@@ -273,5 +355,5 @@ class ExactDecoder:
         verify_s = time.perf_counter() - start
         self.length.record_round(gamma, m, draft_s, verify_s)
         cache.record_exact(inputs, accepted, gamma)
+        self.last = RoundCounts(verify_steps=b, drafted=gamma * b, accepted=sum(accepted))
         return emitted
-

@@ -174,7 +174,7 @@ def exact_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, st
     device = tail.device
     token = prefill(model, cache, tail, start=start).argmax(-1)
     position = torch.full((tail.shape[0],), start + tail.shape[1] - 1, device=device)
-    decoder = ExactDecoder(model, cache, 0.0, 1.0, None)
+    decoder = ExactDecoder(model, cache)
     out, want, have, begin, timed_from = [token[:, None]], 1 + warmup + new_tokens, 1, None, 0
     while have < want:
         if begin is None and have > warmup:

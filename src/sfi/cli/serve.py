@@ -49,16 +49,22 @@ def serve_cmd(
     max_kv_tokens: Annotated[int | None, typer.Option(
         help="KV tokens (prompt + max_tokens per sequence) the running batch may hold; "
              "requests that do not fit wait")] = None,
+    mode: Annotated[str, typer.Option(
+        help="the mode of a request that sends none: sfi (lossy, fastest), full (dense) or "
+             "exact (full attention's tokens, drafted by fast steps)")] = "sfi",
 ) -> None:
     """An OpenAI-compatible server with continuous batching over slow-fast decoding."""
 
     from dataclasses import asdict
 
+    from sfi.decode import MODES
     from sfi.hf import context_length
     from sfi.server.app import create_app, serve
     from sfi.server.engine import Engine, EngineLimits
     from sfi.server.guard import Access
 
+    if mode not in MODES:
+        raise SFIError(f"--mode must be one of {', '.join(MODES)} (got {mode!r})")
     if prefill_chunk < 0:
         raise SFIError(f"--prefill-chunk must be >= 0 (0: one forward), got {prefill_chunk}")
     # the library's own checks, before the model loads
@@ -73,7 +79,7 @@ def serve_cmd(
     engine = Engine(loaded_model, tokenizer, config or SFIConfig(), **asdict(limits))
     app_ = create_app(engine, name, context_length(loaded_model), api_key=access.api_key,
                       allowed_hosts=list(access.allowed_hosts or ()),
-                      max_body_bytes=access.max_body_bytes)
+                      max_body_bytes=access.max_body_bytes, default_mode=mode)
     engine.start()
     serve(engine, app_, host, port)
 
@@ -89,7 +95,7 @@ def loadtest_cmd(
     clients: Annotated[int, typer.Option(help="concurrent streaming clients")] = 4,
     duration: Annotated[float, typer.Option(help="seconds to keep sending")] = 60.0,
     max_tokens: Annotated[int, typer.Option(help="tokens per request")] = 64,
-    mode: Annotated[str, typer.Option(help="sfi | full")] = "sfi",
+    mode: Annotated[str, typer.Option(help="sfi | full | exact")] = "sfi",
     prompt_chars: Annotated[str, typer.Option(
         help="prompt length in characters; several (comma-separated) mix short and long "
              "requests across the clients")] = "4000",
@@ -106,8 +112,9 @@ def loadtest_cmd(
     host = urlparse(url).hostname or ""
     if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
         raise SFIError(f"loadtest sends traffic to loopback addresses only, not {host!r}")
-    if clients < 1 or duration <= 0 or max_tokens < 1 or mode not in ("sfi", "full"):
-        raise SFIError("--clients and --max-tokens must be >= 1, --duration > 0, --mode sfi|full")
+    if clients < 1 or duration <= 0 or max_tokens < 1 or mode not in ("sfi", "full", "exact"):
+        raise SFIError("--clients and --max-tokens must be >= 1, --duration > 0, "
+                       "--mode sfi|full|exact")
     lengths = int_list("--prompt-chars", prompt_chars)
     result = run_loadtest(url, clients, duration, max_tokens, mode, lengths, model, api_key)
     if as_json:

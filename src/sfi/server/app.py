@@ -2,8 +2,9 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Extensions to the
-OpenAI request: ``mode`` (``"sfi"`` or ``"full"``) and ``sfi`` (``k_head`` or ``k_fraction``);
-each response carries an ``sfi`` object with the sequence's slow/fast step counts.
+OpenAI request: ``mode`` (``"sfi"``, ``"full"`` or ``"exact"``; unset: the server's default)
+and ``sfi`` (``k_head`` or ``k_fraction``); each response carries an ``sfi`` object with the
+sequence's slow/fast step counts (exact mode's drafts and acceptance under ``exact``).
 Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -18,6 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sfi.decode import MODES
+from sfi.errors import SFIError
 from sfi.server.engine import Engine
 from sfi.server.guard import Access, Guard, is_loopback
 from sfi.server.requests import QueueFullError
@@ -104,7 +107,16 @@ async def metrics(http: Request) -> PlainTextResponse:
         ("sfi_prefill_chunks_total", "counter", m.prefill_chunks, "prompt chunks prefilled"),
         ("sfi_slow_steps_total", "counter", m.slow_steps, "sequence-steps that were slow"),
         ("sfi_fast_steps_total", "counter", m.fast_steps, "sequence-steps that were fast"),
-        ("sfi_dense_steps_total", "counter", m.dense_steps, "sequence-steps that were dense"),
+        ("sfi_dense_steps_total", "counter", m.dense_steps,
+         "sequence-steps that were dense (exact mode's verifies included)"),
+        ("sfi_exact_verify_steps_total", "counter", m.exact_verify_steps,
+         "exact mode: sequence-verifies (one dense forward checks a row's drafts)"),
+        ("sfi_exact_drafted_total", "counter", m.exact_drafted,
+         "exact mode: tokens drafted by fast steps"),
+        ("sfi_exact_accepted_total", "counter", m.exact_accepted,
+         "exact mode: drafts that full attention accepted"),
+        ("sfi_exact_dense_steps_total", "counter", m.exact_dense_steps,
+         "exact mode: sequence-steps decoded densely where drafting did not pay"),
         ("sfi_queue_depth", "gauge", engine.queue_depth, "requests waiting"),
         ("sfi_active_sequences", "gauge", engine.active, "sequences in the batch"),
         ("sfi_kv_tokens_reserved", "gauge", engine.kv_tokens_held,
@@ -166,19 +178,22 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 def create_app(engine: Engine, model_name: str, context_limit: int | None, *,
                api_key: str | None = None, allowed_hosts: list[str] | None = None,
-               max_body_bytes: int = 4 * 2 ** 20) -> FastAPI:
+               max_body_bytes: int = 4 * 2 ** 20, default_mode: str = "sfi") -> FastAPI:
     """The FastAPI app serving ``engine`` under ``model_name`` (and the alias ``default``).
 
     Args:
+        default_mode: the mode of a request that sends none (``sfi``, ``full`` or ``exact``).
         api_key: when set, every ``/v1/*`` route wants ``Authorization: Bearer <api_key>``.
         allowed_hosts: Host header names answered (``["*"]`` or None: any).
         max_body_bytes: larger request bodies get 413.
     """
+    if default_mode not in MODES:
+        raise SFIError(f"unknown default mode {default_mode!r}; choose from {', '.join(MODES)}")
     access = Access(api_key, None if allowed_hosts is None else tuple(allowed_hosts),
                     max_body_bytes)
     app = FastAPI(title="sfi", description="Slow-Fast Inference, OpenAI-compatible")
     app.state.sfi = ServerState(engine, model_name, context_limit,
-                                longest_token_chars(engine.tokenizer))
+                                longest_token_chars(engine.tokenizer), default_mode)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(QueueFullError, _queue_full)

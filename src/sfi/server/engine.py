@@ -8,7 +8,10 @@ batch's KV lives in a slab of ``max_batch`` rows reserved when it starts
 (``SlowFastCache.reserve``): a joining sequence is copied into a free row and a leaving one
 gives its row back, without the batch being copied (only when the slab needs more positions).
 Every sequence keeps its own SFI state, triggers and counters; a ``mode="full"`` request is a
-dense-only sequence in the same batch. The loop runs on one thread; callers talk to it through
+dense-only sequence in the same batch. ``mode="exact"`` requests (``sfi.exact``: full
+attention's tokens, drafted by fast steps) run in a second batch of their own
+(``sfi.server.lanes``): a loop iteration steps each batch once, the exact one by a round of
+drafts and a verify. The loop runs on one thread; callers talk to it through
 :meth:`Engine.submit` and :meth:`Engine.cancel`, and hear back through each request's
 ``on_event`` callback.
 """
@@ -19,7 +22,6 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,59 +33,20 @@ from sfi.errors import SFIError
 from sfi.hf import eos_token_ids
 from sfi.methods import build_cache
 from sfi.runtime import give_back_freed_memory
+from sfi.server.lanes import Join, Lane, request_sampling
 from sfi.server.requests import (
+    EngineLimits,
     EngineMetrics,
     GenerationRequest,
     KVBudgetError,
     QueueFullError,
     kv_tokens,
 )
+
+__all__ = ["Engine", "EngineLimits"]
 from sfi.stats import DecodeStats
 
 log = logging.getLogger("sfi.server")
-
-
-@dataclass
-class _Join:
-    """A request whose prompt is being prefilled, chunk by chunk."""
-
-    request: GenerationRequest
-    cache: SlowFastCache
-    ids: torch.Tensor  # [1, T]
-    bounds: list[int]
-    done: int = 0  # chunks prefilled
-
-    @property
-    def length(self) -> int:
-        return self.ids.shape[1]
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """The limits an :class:`Engine` runs under (its arguments of the same names), checked
-    when made, so that a command line can check them before it loads a model."""
-
-    max_batch: int = 8
-    max_queue: int = 64
-    request_timeout: float | None = None
-    prefill_chunk: int | None = 128
-    max_stall: float = 0.4
-    max_kv_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise SFIError(f"max_batch must be >= 1 (got {self.max_batch})")
-        if self.max_queue < 0:
-            raise SFIError(f"max_queue must be >= 0 (got {self.max_queue})")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise SFIError(f"prefill_chunk must be >= 1 token, or None for one forward "
-                           f"(got {self.prefill_chunk})")
-        if self.max_stall < 0:
-            raise SFIError(f"max_stall must be >= 0 seconds (got {self.max_stall})")
-        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
-            raise SFIError(f"max_kv_tokens must be >= 1 (got {self.max_kv_tokens})")
-        if self.request_timeout is not None and self.request_timeout <= 0:
-            raise SFIError(f"request_timeout must be > 0 seconds (got {self.request_timeout})")
 
 
 class Engine:
@@ -92,7 +55,8 @@ class Engine:
     Args:
         model, tokenizer: from :func:`sfi.load`.
         config: the default SFI configuration (a request may override its budget).
-        max_batch: sequences decoded together at most.
+        max_batch: sequences decoded together at most (exact mode's batch and the other
+            one together; each batch's slab reserves ``max_batch`` rows when it starts).
         max_queue: requests waiting for a free slot at most (requests that a free slot will take
             at once do not count); past it :meth:`submit` raises.
         request_timeout: seconds a request may take from submission, or None for no limit.
@@ -127,10 +91,8 @@ class Engine:
         self.eos = eos_token_ids(model, tokenizer)
         self.device = next(model.parameters()).device
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
-        self._active: list[GenerationRequest] = []
-        self._batch: SlowFastCache | None = None
-        self._positions: list[int] = []
-        self._join: _Join | None = None  # the request whose prompt is being prefilled
+        self._lanes = (Lane(exact=False), Lane(exact=True))
+        self._join: Join | None = None  # the request whose prompt is being prefilled
         self._ready: tuple[GenerationRequest, SlowFastCache, int] | None = None  # prefilled
         self._wake = threading.Condition()
         self._running = self._stopped = False
@@ -171,7 +133,7 @@ class Engine:
         with self._wake:
             if self._stopped:
                 raise SFIError("the server is shutting down")
-            free = self.max_batch - len(self._active) - (self._join is not None) \
+            free = self.max_batch - self.active - (self._join is not None) \
                 - (self._ready is not None)
             if len(self._waiting) - max(free, 0) >= self.max_queue:
                 self.metrics.rejected += 1
@@ -197,29 +159,27 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        """Sequences in the running batches."""
+        return sum(len(lane.requests) for lane in self._lanes)
+
+    def _lane(self, request: GenerationRequest) -> Lane:
+        return self._lanes[request.mode == "exact"]
 
     # --- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             while True:
                 with self._wake:
-                    while self._running and not self._waiting and not self._active \
+                    while self._running and not self._waiting and not self.active \
                             and self._join is None and self._ready is None:
                         self._wake.wait(timeout=1.0)
                     if not self._running:
                         break
-                try:
-                    if not self._drop_finished():  # at most one batch rebuild per gap
-                        self._admit()
-                    if self._active:
-                        self._step()
-                except Exception as exc:  # the batch's forward failed: fail its sequences
-                    log.exception("a decode step failed; its %d sequences fail",
-                                  len(self._active))
-                    for request in self._active:
-                        self._finish(request, "error", error=exc)
-                    self._active, self._batch, self._positions = [], None, []
+                if not self._drop_finished():  # at most one batch rebuild per gap
+                    self._admit()
+                for lane in self._lanes:
+                    if lane.requests:
+                        self._step_lane(lane)
         except BaseException as exc:  # the loop itself died: say so, and fail everyone
             self.failure = f"{type(exc).__name__}: {exc}"
             log.exception("the engine loop died")
@@ -227,7 +187,7 @@ class Engine:
         finally:
             shutdown = SFIError(self.failure or "the server is shutting down")
             with self._wake:
-                pending = [*self._active, *self._waiting]
+                pending = [*(r for lane in self._lanes for r in lane.requests), *self._waiting]
                 if self._join is not None:
                     pending.append(self._join.request)
                 if self._ready is not None:
@@ -236,7 +196,8 @@ class Engine:
                 self._join = self._ready = None
             for request in pending:
                 self._finish(request, "error", error=shutdown)
-            self._active, self._batch, self._positions = [], None, []
+            for lane in self._lanes:
+                lane.clear()
 
     @torch.inference_mode()
     def _admit(self) -> None:
@@ -253,16 +214,16 @@ class Engine:
                 return
             self._advance_join()
             if self._ready is not None:
-                if self._active:
+                if self.active:
                     return  # it joins in the next gap
                 self._join_batch(*self._ready)
                 self._ready = None
-            elif self._active and time.perf_counter() - self._step_done >= self.max_stall:
+            elif self.active and time.perf_counter() - self._step_done >= self.max_stall:
                 return  # a decode step of the running batch before the next chunk
 
     def _start_join(self) -> bool:
         """Take the next waiting request into ``_join``; returns whether there was one."""
-        while len(self._active) < self.max_batch:
+        while self.active < self.max_batch:
             with self._wake:
                 if not self._waiting or not self._running:
                     return False
@@ -276,9 +237,7 @@ class Engine:
                 cache = build_cache(self.model, self.tokenizer, "sfi", config=config,
                                     dense_only=request.mode == "full",
                                     capacity=len(request.prompt_ids) + request.max_tokens + 1)
-                if request.seed is not None:
-                    request._generator = torch.Generator(device=self.device).manual_seed(
-                        request.seed)
+                request._sampling = request_sampling(request, self.device)
                 request._checker = StopChecker(self.tokenizer, self.eos, request.stop,
                                                request.max_tokens)
             except Exception as exc:  # this request fails alone
@@ -288,7 +247,7 @@ class Engine:
             ids = torch.tensor([request.prompt_ids], device=self.device)
             bounds = prompt_chunks(len(request.prompt_ids), self.prefill_chunk,
                                    config.evidence_window)
-            self._join = _Join(request, cache, ids, bounds)
+            self._join = Join(request, cache, ids, bounds)
             return True
         return False
 
@@ -301,7 +260,7 @@ class Engine:
     @property
     def kv_tokens_held(self) -> int:
         """KV tokens reserved by the running batch (prompt + max_tokens per sequence)."""
-        return sum(kv_tokens(r) for r in self._active)
+        return sum(kv_tokens(r) for lane in self._lanes for r in lane.requests)
 
     def _advance_join(self) -> None:
         """Prefill the next chunk of the joining prompt; after the last one, sample the first
@@ -340,18 +299,21 @@ class Engine:
         if request.done:  # cancelled or expired after its prefill
             cache.close()
             return
-        if self._batch is None:
-            self._batch = cache
-            cache.reserve(self.max_batch)
+        lane = self._lane(request)
+        if lane.cache is None:
+            lane.start(self.model, cache, self.max_batch)
         else:
-            copies = self._batch.copies
-            self._batch.merge(cache)
+            copies = lane.cache.copies
+            lane.cache.merge(cache)
             self.metrics.joins += 1
-            self.metrics.batch_copies += self._batch.copies > copies
+            self.metrics.batch_copies += lane.cache.copies > copies
             give_back_freed_memory()
-        self.kv_bytes = self._batch.kv_bytes()
-        self._active.append(request)
-        self._positions.append(length)
+        self._held_bytes()
+        lane.requests.append(request)
+        lane.positions.append(length)
+
+    def _held_bytes(self) -> None:
+        self.kv_bytes = sum(lane.kv_bytes() for lane in self._lanes)
 
     def _expired(self, request: GenerationRequest) -> bool:
         """Fail ``request`` if its deadline has passed; returns whether it did."""
@@ -361,35 +323,67 @@ class Engine:
             f"the request took longer than the server's limit of {self.request_timeout} s"))
         return True
 
+    def _step_lane(self, lane: Lane) -> None:
+        """One step of ``lane``; if its batched forward fails, its sequences fail."""
+        try:
+            if lane.exact:
+                self._exact_round(lane)
+            else:
+                self._step(lane)
+        except Exception as exc:
+            log.exception("a decode step failed; its %d sequences fail", len(lane.requests))
+            for request in lane.requests:
+                self._finish(request, "error", error=exc)
+            lane.clear()
+            self._held_bytes()
+
     @torch.inference_mode()
-    def _step(self) -> None:
-        tokens = torch.tensor([r.tokens[-1] for r in self._active], device=self.device)
-        positions = torch.tensor(self._positions, device=self.device)
+    def _step(self, lane: Lane) -> None:
+        tokens, positions = lane.inputs(self.device)
         start = time.perf_counter()
-        logits = decode_one(self.model, self._batch, tokens, positions)
-        self._count_step(self._batch)
-        for row, request in enumerate(self._active):
-            self._positions[row] += 1
+        logits = decode_one(self.model, lane.cache, tokens, positions)
+        self.metrics.count_step(lane.cache.step_kinds())
+        for row, request in enumerate(lane.requests):
+            lane.positions[row] += 1
             try:
-                self._accept(request, logits[row: row + 1], self._batch, row)
+                self._accept(request, logits[row: row + 1], lane.cache, row)
             except Exception as exc:  # this request fails alone
                 log.exception("request %s failed while sampling", request.id)
-                self._finish(request, "error", self._batch, row, error=exc)
+                self._finish(request, "error", lane.cache, row, error=exc)
         self._step_done = time.perf_counter()
-        self.metrics.recent_steps.append((self._step_done - start, len(self._active)))
+        self.metrics.recent_steps.append((self._step_done - start, len(lane.requests)))
 
-    def _count_step(self, cache: SlowFastCache) -> None:
-        kinds = cache.step_kinds()
-        self.metrics.decode_steps += 1
-        self.metrics.dense_steps += kinds.count("dense")
-        self.metrics.slow_steps += kinds.count("slow")
-        self.metrics.fast_steps += kinds.count("fast") + kinds.count("lagged")
+    @torch.inference_mode()
+    def _exact_round(self, lane: Lane) -> None:
+        """A round of exact mode over ``lane``: each row takes the tokens it committed, up to
+        its end (the rest of a finished row's are dropped with it)."""
+        start = time.perf_counter()
+        emitted, counts = lane.exact_round(self.device)
+        self.metrics.count_round(counts)
+        taken = 0
+        for row, request in enumerate(lane.requests):
+            try:
+                for token in emitted[row].tolist():
+                    taken += 1
+                    if self._take(request, token, lane.cache, row):
+                        break
+            except Exception as exc:  # this request fails alone
+                log.exception("request %s failed while taking its tokens", request.id)
+                self._finish(request, "error", lane.cache, row, error=exc)
+        self._step_done = time.perf_counter()
+        self.metrics.recent_steps.append((self._step_done - start, taken))
 
     def _accept(self, request: GenerationRequest, logits: torch.Tensor, cache: SlowFastCache,
                 row: int) -> bool:
         """Sample the next token of ``request``; returns whether it has finished."""
-        token = int(sample_next(logits, request.temperature, request.top_p,
-                                request._generator)[0])
+        sampling = request.sampling
+        token = int(sample_next(logits, sampling.temperature, sampling.top_p,
+                                sampling.generator)[0])
+        return self._take(request, token, cache, row)
+
+    def _take(self, request: GenerationRequest, token: int, cache: SlowFastCache,
+              row: int) -> bool:
+        """``request``'s next token is ``token``; returns whether it has finished."""
         if request.cancelled:
             return self._finish(request, "cancelled", cache, row)
         checker = request._checker
@@ -429,21 +423,27 @@ class Engine:
         return True
 
     def _drop_finished(self) -> bool:
-        """Take finished and cancelled sequences out of the batch; returns whether the batch
+        """Take finished and cancelled sequences out of the batches; returns whether a batch
         was rebuilt."""
-        for row, request in enumerate(self._active):
+        rebuilt = False
+        for lane in self._lanes:
+            rebuilt |= self._drop_from(lane)
+        self._held_bytes()
+        return rebuilt
+
+    def _drop_from(self, lane: Lane) -> bool:
+        for row, request in enumerate(lane.requests):
             if request.cancelled and not request.done:
-                self._finish(request, "cancelled", self._batch, row)
+                self._finish(request, "cancelled", lane.cache, row)
             self._expired(request)
-        keep = [row for row, request in enumerate(self._active) if not request.done]
-        if len(keep) == len(self._active):
+        keep = [row for row, request in enumerate(lane.requests) if not request.done]
+        if len(keep) == len(lane.requests):
             return False
-        self._active = [self._active[row] for row in keep]
-        self._positions = [self._positions[row] for row in keep]
-        if keep:
-            self._batch.keep(keep)  # moves rows within the slab: never a copy of it
-            give_back_freed_memory()
-            return True
-        self._batch = None
-        self.kv_bytes = 0
-        return False
+        if not keep:
+            lane.clear()
+            return False
+        lane.requests = [lane.requests[row] for row in keep]
+        lane.positions = [lane.positions[row] for row in keep]
+        lane.cache.keep(keep)  # moves rows within the slab: never a copy of it
+        give_back_freed_memory()
+        return True

@@ -9,11 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from sfi.config import SFIConfig
 from sfi.decode import StopChecker
 from sfi.errors import SFIError
+from sfi.exact import RoundCounts, Sampling
 from sfi.stats import DecodeStats
 
 # events: ("delta", text) ... then ("done", request) or ("error", exception)
@@ -33,7 +32,7 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    mode: str = "sfi"
+    mode: str = "sfi"  # "sfi", "full" (dense) or "exact" (sfi.exact)
     config: SFIConfig | None = None
     on_event: EventSink | None = None
     id: int = field(default_factory=itertools.count().__next__)
@@ -43,7 +42,7 @@ class GenerationRequest:
     cancelled: bool = False
     deadline: float | None = None  # time.monotonic() after which the request fails
     _sent: int = 0
-    _generator: torch.Generator | None = None
+    _sampling: Sampling | None = None  # set when it starts (its seeded generator)
     _checker: StopChecker | None = None
 
     @property
@@ -51,9 +50,44 @@ class GenerationRequest:
         return self.finish_reason is not None
 
     @property
+    def sampling(self) -> Sampling:
+        """How its tokens are chosen (temperature, top_p, its seeded generator)."""
+        if self._sampling is None:
+            self._sampling = Sampling(self.temperature, self.top_p)
+        return self._sampling
+
+    @property
     def tokens(self) -> list[int]:
         """The tokens generated so far."""
         return self._checker.tokens if self._checker is not None else []
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The limits an :class:`Engine` runs under (its arguments of the same names), checked
+    when made, so that a command line can check them before it loads a model."""
+
+    max_batch: int = 8
+    max_queue: int = 64
+    request_timeout: float | None = None
+    prefill_chunk: int | None = 128
+    max_stall: float = 0.4
+    max_kv_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise SFIError(f"max_batch must be >= 1 (got {self.max_batch})")
+        if self.max_queue < 0:
+            raise SFIError(f"max_queue must be >= 0 (got {self.max_queue})")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise SFIError(f"prefill_chunk must be >= 1 token, or None for one forward "
+                           f"(got {self.prefill_chunk})")
+        if self.max_stall < 0:
+            raise SFIError(f"max_stall must be >= 0 seconds (got {self.max_stall})")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
+            raise SFIError(f"max_kv_tokens must be >= 1 (got {self.max_kv_tokens})")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise SFIError(f"request_timeout must be > 0 seconds (got {self.request_timeout})")
 
 
 @dataclass
@@ -70,7 +104,27 @@ class EngineMetrics:
     prefill_chunks: int = 0
     joins: int = 0  # sequences put into a running batch
     batch_copies: int = 0  # joins that copied the batch's slab
+    exact_verify_steps: int = 0  # exact mode: sequence-verifies, drafts, accepted drafts,
+    exact_drafted: int = 0       # and sequence-steps taken densely (sfi.exact.RoundCounts)
+    exact_accepted: int = 0
+    exact_dense_steps: int = 0
     recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+
+    def count_step(self, kinds: list[str]) -> None:
+        """A batched decode step whose sequences took steps of these kinds."""
+        self.decode_steps += 1
+        self.dense_steps += kinds.count("dense")
+        self.slow_steps += kinds.count("slow")
+        self.fast_steps += kinds.count("fast") + kinds.count("lagged")
+
+    def count_round(self, counts: RoundCounts) -> None:
+        """A round of exact mode (its verifies and dense steps are dense sequence-steps)."""
+        self.decode_steps += 1
+        self.exact_verify_steps += counts.verify_steps
+        self.exact_drafted += counts.drafted
+        self.exact_accepted += counts.accepted
+        self.exact_dense_steps += counts.dense_steps
+        self.dense_steps += counts.verify_steps + counts.dense_steps
 
     def decode_tokens_per_second(self) -> float:
         """Tokens generated per second over the last (up to 64) batched steps."""

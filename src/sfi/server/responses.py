@@ -23,13 +23,15 @@ from sfi.server.schemas import APIError, RequestFields
 
 @dataclass
 class ServerState:
-    """What the routes need: the engine, the model's names and its context window, and the
-    longest token's characters (a prompt over ``context_limit`` times it cannot fit)."""
+    """What the routes need: the engine, the model's names and its context window, the
+    longest token's characters (a prompt over ``context_limit`` times it cannot fit), and the
+    mode of a request that names none."""
 
     engine: Engine
     model_name: str
     context_limit: int | None
     max_token_chars: int = 64
+    default_mode: str = "sfi"
     started: float = field(default_factory=time.time)
 
     @property
@@ -157,7 +159,7 @@ def prepare(state: ServerState, body: RequestFields, prompt_ids: list[int],
         prompt_ids=prompt_ids, max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
-        stop=body.stops(), mode=body.mode, config=config)
+        stop=body.stops(), mode=body.mode or state.default_mode, config=config)
 
 
 def _sse(payload: Any) -> str:

@@ -74,7 +74,7 @@ class RequestFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = None
     n: int | None = None
-    mode: Literal["sfi", "full"] = "sfi"
+    mode: Literal["sfi", "full", "exact"] | None = None  # None: the server's default
     sfi: BudgetOverride | None = None
 
     @field_validator("n")
