@@ -79,6 +79,29 @@ def test_a_shared_prefill_continues_exactly_like_a_fresh_prefill(name, tiny_llam
             assert torch.equal(a.keep, b.keep)
 
 
+def test_exact_mode_as_an_eval_method_answers_as_full_attention(tiny_llama_with_tokenizer):
+    model, tok = tiny_llama_with_tokenizer
+    methods = ["full", "sfi:exact", "sfi:exact:paper[k_head=16]"]
+    rows = run_eval(model, tok, ["niah"], [400], methods, [0.1], samples=2,
+                    overrides={"force_sparse": True, "draft_fallback": False})
+    outputs: dict[int, dict[str, str]] = {}
+    for row in rows:
+        outputs.setdefault(row.sample, {})[row.method] = row.output
+        if row.method != "full":
+            assert row.retention == 1.0 and 0.0 <= row.acceptance < 1.0  # drafts were rejected
+    for by_method in outputs.values():
+        assert set(by_method.values()) == {by_method["full"]}, by_method
+    summary = {e["label"]: e for e in summarize([r.to_dict() for r in rows])}
+    assert 0.0 <= summary["sfi:exact@0.1"]["acceptance"] < 1.0
+    assert summary["sfi:exact@0.1"]["average"] == summary["full"]["average"]
+    assert parse_method("sfi:exact:paper").preset == "paper"
+    with pytest.raises(SFIError, match="drafter preset"):
+        parse_method("sfi:exact:fastest")
+    with pytest.raises(SFIError, match="by construction"):
+        run_eval(model, tok, ["fidelity"], [400], ["sfi:exact"], [0.1], samples=1,
+                 fidelity_tokens=8)
+
+
 def test_method_names_and_budgets():
     runs = parse_runs(["full", "sfi", "snapkv@0.5", "sfi+tova"], [0.15, 0.2])
     assert [(m.name, b) for m, b in runs] == [

@@ -2,8 +2,10 @@
 
 ``full`` is transformers' ``DynamicCache`` (``full-static``: its ``StaticCache``); ``sfi`` and
 ``sfi+<scorer>`` are slow-fast decoding with the SFI Selector or another scorer at the slow
-steps; ``streamingllm``, ``snapkv``, ``pyramidkv``, ``h2o``, ``tova`` and ``quest`` are the
-eviction baselines. In a comparison every method gets the same budget C tokens per KV head
+steps; ``sfi:exact`` (``sfi:exact:<preset>`` for another drafter) is exact mode
+(``sfi.exact``: fast steps draft, dense forwards verify; full attention's tokens);
+``streamingllm``, ``snapkv``, ``pyramidkv``, ``h2o``, ``tova`` and ``quest`` are the eviction
+baselines. In a comparison every method gets the same budget C tokens per KV head
 (``budget`` as a fraction of the context, or as tokens when above 1); SFI spends it as
 S + K + R (sink, selected, recent).
 """
@@ -50,13 +52,15 @@ def sfi_config_for(capacity: int, base: SFIConfig | None = None) -> SFIConfig:
 class Method:
     """One method of a comparison: ``kind`` is "full", "full-static", "sfi" or "eviction";
     ``scorer`` names SFI's slow-step scorer or the eviction rule; ``preset`` names SFI's
-    configuration (``sfi:paper``), None for the caller's."""
+    configuration (``sfi:paper``), None for the caller's; ``exact``: decoded in exact mode,
+    SFI's memory drafting (``sfi:exact``)."""
 
     name: str
     kind: str
     scorer: str | None = None
     preset: str | None = None
     fields: tuple[tuple[str, Any], ...] = ()
+    exact: bool = False
 
     def sfi_config(self, base: SFIConfig | None = None,
                    overrides: dict[str, Any] | None = None) -> SFIConfig:
@@ -75,8 +79,10 @@ class Method:
 
 def parse_method(name: str) -> Method:
     """``full``, ``full-static``, ``sfi``, ``sfi:<preset>`` (e.g. ``sfi:paper``),
+    ``sfi:exact`` or ``sfi:exact:<preset>`` (exact mode, that preset drafting),
     ``sfi+<scorer>`` or an eviction baseline's name. An SFI method may set config fields in
-    brackets: ``sfi[pool_kernel=9,page_size=16]``, ``sfi:paper[nms_strength=0]``."""
+    brackets: ``sfi[pool_kernel=9,page_size=16]``, ``sfi:paper[nms_strength=0]``,
+    ``sfi:exact:paper[k_head=512]``."""
     if name.endswith("]") and "[" in name:
         head, _, inner = name[:-1].partition("[")
         method = parse_method(head)
@@ -89,6 +95,11 @@ def parse_method(name: str) -> Method:
         return Method(name, name)
     if name == "sfi":
         return Method(name, "sfi", "sfi")
+    if name == "sfi:exact" or name.startswith("sfi:exact:"):
+        preset = name[len("sfi:exact:"):] or None
+        if preset is not None and preset not in PRESETS:
+            raise SFIError(f"unknown drafter preset in {name!r}; choose from {', '.join(PRESETS)}")
+        return Method(name, "sfi", "sfi", preset, exact=True)
     if name.startswith("sfi:"):
         preset = name[4:]
         if preset not in PRESETS:
@@ -101,7 +112,7 @@ def parse_method(name: str) -> Method:
     if name in POLICIES:
         return Method(name, "eviction", name)
     raise SFIError(f"unknown method {name!r}; choose from full, sfi, sfi:<preset>, "
-                   f"sfi+<scorer>, {', '.join(POLICIES)}")
+                   f"sfi:exact, sfi:exact:<preset>, sfi+<scorer>, {', '.join(POLICIES)}")
 
 
 def build_cache(model: torch.nn.Module, tokenizer: Any, method: str | Method, *,

@@ -35,8 +35,9 @@ def eval_cmd(
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] =
         "4096",
     methods: Annotated[str, typer.Option(help="full, sfi, sfi:<preset> (sfi:paper), "
-                                         "sfi+<scorer>, streamingllm, snapkv, pyramidkv, h2o, "
-                                         "tova, quest; name@budget pins a method's budget")] =
+                                         "sfi:exact[:<preset>] (exact mode), sfi+<scorer>, "
+                                         "streamingllm, snapkv, pyramidkv, h2o, tova, quest; "
+                                         "name@budget pins a method's budget")] =
         DEFAULT_METHODS,
     budget: Annotated[str, typer.Option(help="tokens kept per KV head: a fraction of the "
                                         "context (<= 1) or tokens (> 1); comma-separated to "

@@ -36,8 +36,8 @@ def label(row: Row) -> str:
 
 def summarize(rows: list[Row]) -> list[Row]:
     """One entry per (context, method, budget): mean score per task, the average over the
-    retrieval tasks (every task but fidelity), mean measured retention, and the fidelity
-    metrics when that task ran."""
+    retrieval tasks (every task but fidelity), mean measured retention, the fidelity
+    metrics when that task ran, and exact mode's mean acceptance of its drafts."""
     groups: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
         groups[(row["context"], label(row))].append(row)
@@ -60,6 +60,9 @@ def summarize(rows: list[Row]) -> list[Row]:
             entry["kl"] = round(mean(r["kl"] for r in fidelity), 5)
             entry["top1"] = round(mean(r["top1"] for r in fidelity), 4)
             entry["ppl"] = round(mean(r["ppl"] for r in fidelity), 3)
+        accepted = [r["acceptance"] for r in members if r.get("acceptance") is not None]
+        if accepted:
+            entry["acceptance"] = round(mean(accepted), 4)
         out.append(entry)
     order = {t: i for i, t in enumerate(TASKS)}
     for entry in out:

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from sfi.cache import SlowFastCache
 from sfi.caches import DecodeCache
 from sfi.config import SFIConfig
-from sfi.decode import continue_greedy
+from sfi.decode import StopChecker, continue_greedy, prefill
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
 from sfi.eval.tasks import TASKS, Sample, make_sample, score
+from sfi.exact import ExactDecoder
 from sfi.hf import eos_token_ids
 from sfi.methods import Method, budget_tokens, build_cache, parse_method
 from sfi.prefix import SharedPrefill
@@ -35,7 +37,9 @@ class EvalRow:
     """One method on one sample. ``context`` is the length asked for, ``prompt_tokens`` the
     sample's; ``budget`` is what was asked (fraction or tokens), ``capacity`` the tokens per
     KV head it became; ``retention`` is the measured mean fraction of the context read per
-    decode step (``fast_retention``: over SFI's fast steps only)."""
+    decode step (``fast_retention``: over SFI's fast steps only; exact mode: 1.0, every token
+    is verified by a dense read, and ``acceptance`` is the fraction of its drafts that full
+    attention accepted)."""
 
     task: str
     context: int
@@ -55,6 +59,7 @@ class EvalRow:
     ppl_full: float | None = None
     kl_per_step: list[float] | None = None
     slow_step_indices: list[int] | None = None
+    acceptance: float | None = None
     output: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,6 +77,26 @@ def greedy_continue(model: torch.nn.Module, cache: DecodeCache, shared: SharedPr
         shared.load(cache)
         start = shared.length
     return continue_greedy(model, cache, ids, start, max_new_tokens, eos)
+
+
+@torch.inference_mode()
+def exact_continue(model: torch.nn.Module, cache: SlowFastCache, shared: SharedPrefill,
+                   ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
+    """:func:`greedy_continue` in exact mode (``sfi.exact``): the same tokens as full
+    attention's, fast steps drafting them and dense forwards verifying."""
+    shared.load(cache)
+    checker = StopChecker(None, eos, max_tokens=max_new_tokens)
+    token = prefill(model, cache, ids[:, shared.length:], start=shared.length).argmax(-1)
+    decoder = ExactDecoder(model, cache)
+    position = torch.tensor([ids.shape[1] - 1], device=ids.device)
+    while not checker.push(int(token[0])):
+        emitted = decoder.advance(token, position, None, [True],
+                                  max_new_tokens - len(checker.tokens))
+        for value in emitted[0, :-1].tolist():
+            if checker.push(value):
+                return checker.tokens
+        token, position = emitted[:, -1], position + emitted.shape[1]
+    return checker.tokens
 
 
 def parse_runs(methods: Sequence[str], budgets: Sequence[float]
@@ -127,17 +152,21 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
     for method, budget in runs:
         cache = build_cache(model, tokenizer, method, config=base, budget=budget,
                             context=sample.context, overrides=overrides)
-        tokens = greedy_continue(model, cache, shared, ids, sample.max_new_tokens, eos)
+        decode = exact_continue if method.exact else greedy_continue
+        tokens = decode(model, cache, shared, ids, sample.max_new_tokens, eos)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         read, fast_read = cache.read_fraction()
         stats = cache.stats() if method.kind == "sfi" else None
+        if method.exact:
+            read, fast_read = 1.0, None
         rows.append(EvalRow(
             task=sample.task, context=sample.target, prompt_tokens=sample.context,
             method=method.name, budget=budget,
             capacity=budget_tokens(budget, sample.context), retention=round(read, 4),
             score=score(sample.task, text, sample.answers), sample=index, depth=depth,
             fast_retention=None if fast_read is None else round(fast_read, 4),
-            slow_steps=stats.slow_steps if stats is not None else None, output=text))
+            slow_steps=stats.slow_steps if stats is not None else None, output=text,
+            acceptance=round(stats.acceptance_rate, 4) if method.exact else None))
     return rows
 
 
@@ -200,6 +229,10 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
     if samples < 1:
         raise SFIError(f"samples must be >= 1, got {samples}")
     runs = parse_runs(methods, budgets)
+    if "fidelity" in tasks and any(m.exact for m, _ in runs):
+        raise SFIError("the fidelity task compares a method's next-token distribution with full "
+                       "attention's; exact mode's is full attention's by construction (drop "
+                       "sfi:exact from --methods, or fidelity from --tasks)")
     for _, budget in runs:
         budget_tokens(budget, max(contexts))  # validate before any prefill
     rows: list[EvalRow] = []
