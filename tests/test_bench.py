@@ -12,6 +12,7 @@ from conftest import tiny_model
 
 from sfi import SFIConfig, SFIError, layout
 from sfi import load as sfi_load
+from sfi.bench.plots import exact_points
 from sfi.bench.throughput import (
     MODES,
     benchmark_ids,
@@ -58,6 +59,9 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
             assert row["speedup_vs_full"] == 1.0
     assert {r["mode"] for r in rows if r["mode"] == "sfi-fast-only" and r["slow_fraction"] == 0}
     assert plot.stat().st_size > 1000
+    points = exact_points([out])  # one per cell: its fast/dense ratio against its speed-up
+    assert len(points) == 4 and all(p["ratio"] > 0 and p["speedup"] > 0 for p in points)
+    assert (tmp_path / "bench-exact.png").stat().st_size > 1000
 
 
 def test_bench_refuses_exact_mode_on_synthetic_kv(smol_tokenizer):

@@ -373,35 +373,3 @@ def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
             row["speedup_vs_native"] = round(row["decode_tok_s"] / base, 3)
     result.update(rows=rows, fidelity=fidelity, weights=formats)
     return result
-
-
-def plot_throughput(result: dict[str, Any], path: str) -> None:
-    """Tokens/s against context length per mode, one panel per batch size (log-scale x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["rows"]
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
-    formats = list(dict.fromkeys(r.get("weights", "native") for r in rows))
-    for ax, batch in zip(axes[0], batches):
-        for name in formats:
-            for mode in MODES:
-                points = sorted((r["context"], r["decode_tok_s"]) for r in rows
-                                if r["mode"] == mode and r["batch"] == batch
-                                and r.get("weights", "native") == name)
-                if points:
-                    label = mode if len(formats) == 1 else f"{mode}, {name} weights"
-                    ax.plot(*zip(*points), marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("decode tokens/s")
-        kv = {r["kv"] for r in rows}
-        ax.set_title(f"batch {batch} ({', '.join(sorted(kv))} KV)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

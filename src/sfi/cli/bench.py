@@ -49,11 +49,14 @@ def bench_cmd(
                                          "bf16; each but native is also compared with native "
                                          "(teacher-forced KL, top-1)")] = "native",
     as_json: JsonOpt = False,
-    plot: Annotated[Path | None, typer.Option(help="write tokens/s against context (PNG)")] =
-        None,
+    plot: Annotated[Path | None, typer.Option(
+        help="write tokens/s against context (PNG); with sfi-exact in --modes (and sfi and "
+             "full), exact mode's speed-up against the fast/dense ratio beside it "
+             "(NAME-exact.png)")] = None,
 ) -> None:
     """Decode throughput of SFI against full attention and the memory-bandwidth floor."""
-    from sfi.bench.throughput import MODES, plot_throughput, run_weight_formats
+    from sfi.bench.plots import exact_points, plot_exact_speedup, plot_throughput
+    from sfi.bench.throughput import MODES, run_weight_formats
 
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
@@ -70,6 +73,8 @@ def bench_cmd(
     result["model"] = model
     if plot is not None:
         plot_throughput(result, str(plot))
+        if exact_points([result]):
+            plot_exact_speedup([result], str(plot.with_name(f"{plot.stem}-exact.png")))
     if as_json:
         print(json.dumps(result))
         return
