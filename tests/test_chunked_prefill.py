@@ -71,17 +71,17 @@ def test_server_interleaves_chunks_with_decode_steps(tiny):
         advance, step, join = engine._advance_join, engine._step, engine._join_batch
 
         def traced_advance():
-            trace.append(("chunk", len(engine._active)))
+            trace.append(("chunk", engine.active))
             advance()
 
-        def traced_step():
-            trace.append(("step", len(engine._active)))
-            step()
+        def traced_step(lane):
+            trace.append(("step", engine.active))
+            step(lane)
 
         def traced_join(*args):
-            trace.append(("join", len(engine._active)))
+            trace.append(("join", engine.active))
             join(*args)
-            slab_rows.append(engine._batch.layers[0].reserved)
+            slab_rows.append(engine._lanes[0].cache.layers[0].reserved)
 
         engine._advance_join, engine._step, engine._join_batch = (traced_advance, traced_step,
                                                                   traced_join)
@@ -96,7 +96,7 @@ def test_server_interleaves_chunks_with_decode_steps(tiny):
         t = threading.Thread(target=stream)
         t.start()
         deadline = time.time() + 30
-        while not engine._active and time.time() < deadline:
+        while not engine.active and time.time() < deadline:
             time.sleep(0.01)
         r = httpx.post(f"{running.url}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
@@ -127,9 +127,9 @@ def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny):
         most = []
         step = engine._step
 
-        def watched():
-            most.append(len(engine._active))
-            step()
+        def watched(lane):
+            most.append(engine.active)
+            step(lane)
 
         engine._step = watched
         codes = []

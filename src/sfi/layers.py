@@ -150,7 +150,8 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         rows = target.rows
         if step.missed.issuperset(rows.indices):  # an earlier probe layer flagged them all
             return
-        centre, radius = self.page_geometry(probe.page, probe.shift, probe.aligned)
+        centre, radius = self.page_geometry(probe.page, probe.shift, probe.aligned,
+                                            target.reach)
         memory = rows.take(self.compact_positions[:, :, : plan.compact_width])
         shift = rows.take(probe.shift) if probe.shift is not None else None
         missed = missing_rows(

@@ -111,13 +111,12 @@ class FastRows:
 
 @dataclass(frozen=True)
 class ProbedRows:
-    """The fast rows that a group of coverage probes checks, with what every probe layer needs
-    of them (built once per step).
+    """The fast rows a group of coverage probes checks, and what every probe layer needs of them.
 
     Attributes:
         rows: which sequences.
         fast_index: ``[n]`` their places among the step's fast rows.
-        lo, hi: ``[n]`` their middle regions [lo, hi).
+        lo, hi: ``[n]`` their middle regions [lo, hi); ``reach``: the largest ``hi``.
         held: ``[n, C]`` bool, the compact slots that hold a selected position.
     """
 
@@ -126,6 +125,7 @@ class ProbedRows:
     lo: torch.Tensor
     hi: torch.Tensor
     held: torch.Tensor
+    reach: int
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,7 @@ class Planner:
                 torch.tensor([fast_rows.index(r) for r in rows], device=device),
                 torch.tensor([m.sink_end for m in memories], device=device),
                 torch.tensor([m.recent_start for m in memories], device=device),
-                (slot >= sink) & (slot < sink + k))
+                (slot >= sink) & (slot < sink + k), max(m.recent_start for m in memories))
             c = self.sequences[rows[0]].config
             for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
                 probes.append(Probe(layer, page, top, threshold, target, shift, aligned))

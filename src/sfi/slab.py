@@ -194,24 +194,28 @@ class SlabLayer(CacheLayerMixin):
         return pages.low[:, :, :n], pages.high[:, :, :n]
 
     def page_geometry(self, page: int, shift: torch.Tensor | None = None,
-                      aligned: tuple[int, ...] | None = None
+                      aligned: tuple[int, ...] | None = None, upto: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(centre, radius)`` ``[B, H, P, D]`` of the same boxes, ``(high + low) / 2`` and
         ``(high - low) / 2``: what bounding ``q . k`` reads (``sfi.scorers.quest``).
-        ``aligned``: ``shift`` as Python ints, when the caller has them."""
-        pages = self._summarise(page, shift, aligned)
+        ``aligned``: ``shift`` as Python ints; ``upto``: only pages ending by this position are
+        wanted (where a probe's middle regions end: no new page to summarise at a fast step)."""
+        pages = self._summarise(page, shift, aligned, upto)
         n = pages.count
         return pages.centre[:, :, :n], pages.radius[:, :, :n]
 
     def _summarise(self, page: int, shift: torch.Tensor | None,
-                   aligned: tuple[int, ...] | None = None) -> _PageSummaries:
+                   aligned: tuple[int, ...] | None = None,
+                   upto: int | None = None) -> _PageSummaries:
         """The page summaries, kept up to date incrementally: each call summarises only the
-        pages that hold positions appended since the last."""
-        t = self.length
+        pages that hold positions appended since the last (up to ``upto``, when given)."""
+        t = self.length if upto is None else min(self.length, upto)
         count = page_count(t, page, shift)
         if aligned is None and shift is not None:
             aligned = tuple(shift.tolist())
         pages = self._pages
+        if pages and pages.page == page and pages.shift == aligned and pages.done >= t:
+            return pages  # nothing new before t: the boxes wanted are there
         if pages is None or pages.page != page or pages.shift != aligned or pages.room < count:
             b, h, _, d = self._keys.shape
             room = max(count, page_count(self.capacity, page, shift) + 1)
@@ -220,7 +224,7 @@ class SlabLayer(CacheLayerMixin):
                 page, aligned, 0, low, torch.full_like(low, float("-inf")),
                 torch.zeros_like(low), torch.zeros_like(low))
         first = pages.done // page  # the page that was partial last time, and those after it
-        new_low, new_high = page_bounds(self.keys, page, shift, first)
+        new_low, new_high = page_bounds(self.keys[:, :, :t], page, shift, first)
         pages.low[:, :, first:count] = new_low
         pages.high[:, :, first:count] = new_high
         pages.centre[:, :, first:count] = (new_high + new_low) / 2
