@@ -42,10 +42,9 @@ from sfi.server.requests import (
     QueueFullError,
     kv_tokens,
 )
-
-__all__ = ["Engine", "EngineLimits"]
 from sfi.stats import DecodeStats
 
+__all__ = ["Engine", "EngineLimits"]
 log = logging.getLogger("sfi.server")
 
 
@@ -55,19 +54,8 @@ class Engine:
     Args:
         model, tokenizer: from :func:`sfi.load`.
         config: the default SFI configuration (a request may override its budget).
-        max_batch: sequences decoded together at most (exact mode's batch and the other
-            one together; each batch's slab reserves ``max_batch`` rows when it starts).
-        max_queue: requests waiting for a free slot at most (requests that a free slot will take
-            at once do not count); past it :meth:`submit` raises.
-        request_timeout: seconds a request may take from submission, or None for no limit.
-        prefill_chunk: a joining prompt is prefilled in chunks of this many tokens between
-            decode steps of the running batch (None: the whole prompt at once).
-        max_stall: seconds of prefill chunks between two decode steps of running streams (at
-            least one chunk), so that a stream waits at most about ``max_stall`` plus one chunk
-            for newcomers.
-        max_kv_tokens: the KV tokens (prompt + max_tokens per sequence) the running batch may
-            hold together; a request that does not fit waits in the queue until others finish
-            (None: bounded by ``max_batch`` alone).
+        max_batch, max_queue, request_timeout, prefill_chunk, max_stall, max_kv_tokens: its
+            limits (:class:`sfi.server.requests.EngineLimits`).
 
     A request whose prefill or sampling raises fails alone (its traceback is logged); a failing
     batched forward pass fails the sequences in that batch and the engine carries on. The loop
@@ -175,8 +163,12 @@ class Engine:
                         self._wake.wait(timeout=1.0)
                     if not self._running:
                         break
-                if not self._drop_finished():  # at most one batch rebuild per gap
-                    self._admit()
+                try:
+                    if not self._drop_finished():  # at most one batch rebuild per gap
+                        self._admit()
+                except Exception as exc:  # a batch could not be rebuilt: its sequences fail
+                    for lane in self._lanes:
+                        self._fail_lane(lane, exc)
                 for lane in self._lanes:
                     if lane.requests:
                         self._step_lane(lane)
@@ -331,11 +323,15 @@ class Engine:
             else:
                 self._step(lane)
         except Exception as exc:
-            log.exception("a decode step failed; its %d sequences fail", len(lane.requests))
-            for request in lane.requests:
-                self._finish(request, "error", error=exc)
-            lane.clear()
-            self._held_bytes()
+            self._fail_lane(lane, exc)
+
+    def _fail_lane(self, lane: Lane, exc: Exception) -> None:
+        if lane.requests:
+            log.exception("a batch failed; its %d sequences fail", len(lane.requests))
+        for request in lane.requests:
+            self._finish(request, "error", error=exc)
+        lane.clear()
+        self._held_bytes()
 
     @torch.inference_mode()
     def _step(self, lane: Lane) -> None:
@@ -428,7 +424,6 @@ class Engine:
         rebuilt = False
         for lane in self._lanes:
             rebuilt |= self._drop_from(lane)
-        self._held_bytes()
         return rebuilt
 
     def _drop_from(self, lane: Lane) -> bool:
@@ -441,6 +436,7 @@ class Engine:
             return False
         if not keep:
             lane.clear()
+            self._held_bytes()
             return False
         lane.requests = [lane.requests[row] for row in keep]
         lane.positions = [lane.positions[row] for row in keep]

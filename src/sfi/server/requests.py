@@ -64,8 +64,24 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The limits an :class:`Engine` runs under (its arguments of the same names), checked
-    when made, so that a command line can check them before it loads a model."""
+    """The limits an :class:`sfi.server.engine.Engine` runs under (its arguments of the same
+    names), checked when made, so that a command line can check them before it loads a model.
+
+    Attributes:
+        max_batch: sequences decoded together at most (exact mode's batch and the other
+            one together; each batch's slab reserves ``max_batch`` rows when it starts).
+        max_queue: requests waiting for a free slot at most (requests that a free slot will take
+            at once do not count); past it ``Engine.submit`` raises.
+        request_timeout: seconds a request may take from submission, or None for no limit.
+        prefill_chunk: a joining prompt is prefilled in chunks of this many tokens between
+            decode steps of the running batch (None: the whole prompt at once).
+        max_stall: seconds of prefill chunks between two decode steps of running streams (at
+            least one chunk), so that a stream waits at most about ``max_stall`` plus one chunk
+            for newcomers.
+        max_kv_tokens: the KV tokens (prompt + max_tokens per sequence) the running batch may
+            hold together; a request that does not fit waits in the queue until others finish
+            (None: bounded by ``max_batch`` alone).
+    """
 
     max_batch: int = 8
     max_queue: int = 64
