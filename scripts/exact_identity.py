@@ -11,7 +11,7 @@ so that a float32 near-tie is told from a fault.
 
     python scripts/exact_identity.py --out docs/eval/exact/identity.json
 
-It is a measurement, not a test: about 50 minutes on a 2-core CPU for both models.
+It is a measurement, not a test: about 75 minutes on a 2-core CPU for both models.
 """
 
 from __future__ import annotations
