@@ -25,8 +25,8 @@ def _free_port() -> int:
 class Server:
     def __init__(self, model, tokenizer, name="tiny", max_batch=4, max_queue=8,
                  request_timeout=None, prefill_chunk=128, max_stall=0.4, max_kv_tokens=None,
-                 **app_options):
-        self.engine = Engine(model, tokenizer, CONFIG, max_batch=max_batch, max_queue=max_queue,
+                 config=CONFIG, **app_options):
+        self.engine = Engine(model, tokenizer, config, max_batch=max_batch, max_queue=max_queue,
                              request_timeout=request_timeout, prefill_chunk=prefill_chunk,
                              max_stall=max_stall, max_kv_tokens=max_kv_tokens)
         self.port = _free_port()

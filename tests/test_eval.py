@@ -83,7 +83,8 @@ def test_exact_mode_as_an_eval_method_answers_as_full_attention(tiny_llama_with_
     model, tok = tiny_llama_with_tokenizer
     methods = ["full", "sfi:exact", "sfi:exact:paper[k_head=16]"]
     rows = run_eval(model, tok, ["niah"], [400], methods, [0.1], samples=2,
-                    overrides={"force_sparse": True, "draft_fallback": False})
+                    overrides={"force_sparse": True, "draft_fallback": False, "draft_min": 4,
+                               "draft_max": 4})
     outputs: dict[int, dict[str, str]] = {}
     for row in rows:
         outputs.setdefault(row.sample, {})[row.method] = row.output
