@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import tiny_model
+from test_cli import run_cli_here
 
 from sfi import SFIConfig, SFIError, layout
 from sfi import load as sfi_load
@@ -72,8 +73,7 @@ def test_bench_refuses_exact_mode_on_synthetic_kv(smol_tokenizer):
 
 
 def test_bench_rejects_bad_contexts():
-    result = subprocess.run([sys.executable, "-m", "sfi.cli", "bench", "--contexts", "0"],
-                            capture_output=True, text=True, timeout=600)
+    result = run_cli_here("bench", "--contexts", "0")
     assert result.returncode == 2 and "positive integers" in result.stderr
 
 
@@ -209,8 +209,7 @@ def test_weight_fidelity_of_the_native_weights_is_perfect(smol_tokenizer):
 
 
 def test_bench_refuses_an_unknown_weight_format():
-    result = subprocess.run([sys.executable, "-m", "sfi.cli", "bench", "--weights", "fp8"],
-                            capture_output=True, text=True, timeout=600)
+    result = run_cli_here("bench", "--weights", "fp8")
     assert result.returncode == 2 and "--weights" in result.stderr and "fp8" in result.stderr
 
 
@@ -227,10 +226,10 @@ def test_checking_a_format_leaves_the_callers_random_stream_alone():
     ("serve", "native,bf16", "--weights takes one format here"),
 ])
 def test_weights_option_is_checked_before_loading(command, value, message):
-    args = [sys.executable, "-m", "sfi.cli", command, "--weights", value]
+    args = [command, "--weights", value]
     if command == "generate":
         args += ["--prompt", "hello"]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    result = run_cli_here(*args)
     assert result.returncode == 2 and message in result.stderr
 
 

@@ -17,6 +17,34 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+def run_cli_here(*args: str) -> subprocess.CompletedProcess:
+    """``sfi ARGS`` run in this process (for input refused before any model loads: a process
+    of its own costs seconds of imports); an exception that escapes the command shows up as
+    its traceback in ``stderr``, as it would from the ``sfi`` command."""
+    import contextlib
+    import io
+    import os
+    import traceback
+
+    from sfi.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        patch.setattr(sys, "argv", ["sfi", *args])
+        patch.setitem(os.environ, "SFI_KEEP_FREED_MEMORY", "0")  # (this process's malloc)
+        patch.setitem(os.environ, "COLUMNS", "200")  # rich wraps messages to the terminal
+        try:
+            main()
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except Exception:  # (what the command would print)
+            err.write(traceback.format_exc())
+            code = 1
+    return subprocess.CompletedProcess(["sfi", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.mark.model
 def test_generate_json_schema_both_modes(default_model):  # the fixture converts the model once
     common = ["generate", "--prompt", "The sea is calm. The sky is blue. Birds", "--json",
@@ -50,7 +78,7 @@ def test_generate_json_schema_both_modes(default_model):  # the fixture converts
     (["--prompt", "hi", "--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"),
 ])
 def test_generate_bad_input_exits_with_a_message(args, message):
-    result = run_cli("generate", *args)
+    result = run_cli_here("generate", *args)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -75,7 +103,7 @@ def test_build_config_from_flags():
 def test_serve_refuses_bad_limits_before_loading_the_model(args, message):
     """The engine's and the guard's own checks, run before the model loads (the model named
     here does not exist: a check that came after loading would report that instead)."""
-    result = run_cli("serve", "--model", "no-such-model", *args)
+    result = run_cli_here("serve", "--model", "no-such-model", *args)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
 
@@ -93,14 +121,14 @@ def test_access_defaults_follow_the_listening_address():
 
 
 def test_loadtest_refuses_non_loopback_targets():
-    result = run_cli("loadtest", "--url", "http://10.1.2.3:8000", "--duration", "1")
+    result = run_cli_here("loadtest", "--url", "http://10.1.2.3:8000", "--duration", "1")
     assert result.returncode == 2
     assert "loopback addresses only" in result.stderr
 
 
 def test_bench_vllm_without_vllm_says_how_to_get_it():
     """The main environment has no vLLM: a clear error naming the fix, no traceback."""
-    result = run_cli("bench-vllm", "--contexts", "4096")
+    result = run_cli_here("bench-vllm", "--contexts", "4096")
     assert result.returncode == 2
     assert "sfi bench-vllm needs vLLM" in result.stderr and "make install-vllm" in result.stderr
     assert "Traceback" not in result.stderr

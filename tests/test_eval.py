@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_cli import run_cli
+from test_cli import run_cli, run_cli_here
 
 from sfi.errors import SFIError
 from sfi.eval.report import markdown, merge_results, plot_all, summarize
@@ -177,7 +177,7 @@ def test_eval_and_analyze_commands(default_model, tmp_path):
     (["--contexts", "abc"], "comma-separated integers"),
 ])
 def test_eval_bad_input_exits_with_a_message(args, message):
-    result = run_cli("eval", *args)
+    result = run_cli_here("eval", *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
 

@@ -113,27 +113,37 @@ def test_mixed_batches_and_reused_slots_equal_requests_alone(smol, essay_prompts
     assert s.requests == 6 and s.slots_reused >= 2
 
 
+@pytest.fixture(scope="module")
+def full_48(smol, essay_prompts):
+    """The default model's transformers path and its texts, and each essay prompt's 48 greedy
+    tokens under stock vLLM and under transformers' full attention."""
+    import sfi
+
+    model, tokenizer = sfi.load("default")
+    texts = [tokenizer.decode(prompt) for prompt in essay_prompts]
+    assert [tokenizer(text)["input_ids"] for text in texts] == essay_prompts
+    full = [list(sfi.generate(model, tokenizer, text, max_new_tokens=48, mode="full").token_ids)
+            for text in texts]
+    return model, tokenizer, texts, generate(smol, essay_prompts, None, max_tokens=48), full
+
+
 @pytest.mark.parametrize("config", [SFI, SENTENCE, COVERAGE, PINNED],
                          ids=["fixed", "sentence", "sentence+coverage", "pins+hysteresis+dense"])
-def test_same_tokens_as_the_transformers_path(smol, essay_prompts, config):
+def test_same_tokens_as_the_transformers_path(smol, essay_prompts, full_48, config):
     """Where stock vLLM and transformers' full attention agree, vLLM + SFI and sfi.generate
     agree with the same configuration (the sentence trigger sees the same input tokens). On
     CPU the two engines agree on all three prompts; on a GPU (sfi.generate on the CPU as the
     reference) on those where stock vLLM's numerics give the same greedy tokens."""
     import sfi
 
-    model, tokenizer = sfi.load("default")
-    stock = generate(smol, essay_prompts, None, max_tokens=48)
+    model, tokenizer, texts, stock, fulls = full_48
     ours = generate(smol, essay_prompts, config, max_tokens=48)
     reasons = dict(stats().reasons)
     agreeing = 0
-    for prompt, vllm_full, vllm_sfi in zip(essay_prompts, stock, ours):
-        text = tokenizer.decode(prompt)
-        assert tokenizer(text)["input_ids"] == prompt
-        full = sfi.generate(model, tokenizer, text, max_new_tokens=48, mode="full")
-        if list(full.token_ids) != vllm_full and DEVICE != "cpu":
+    for text, full, vllm_full, vllm_sfi in zip(texts, fulls, stock, ours):
+        if full != vllm_full and DEVICE != "cpu":
             continue
-        assert list(full.token_ids) == vllm_full
+        assert full == vllm_full
         agreeing += 1
         slow_fast = sfi.generate(model, tokenizer, text, max_new_tokens=48, config=config)
         assert list(slow_fast.token_ids) == vllm_sfi
@@ -147,27 +157,50 @@ def test_same_tokens_as_the_transformers_path(smol, essay_prompts, config):
         assert reasons.get("coverage", 0) >= 3  # the probes flagged memories, as sfi's did
 
 
-def test_the_plugin_runs_in_vllm_worker_processes(default_path, essay_prompts, smol):
-    """A stock multi-process engine (engine core and worker in their own processes) loads the
-    plugin from ``SFI_VLLM`` and gives the tokens of the in-process SFI engine."""
-    expected = generate(smol, essay_prompts[:2], SFI, max_tokens=16)
-    script = (
-        "import json, sys\n"
-        "from vllm import LLM, SamplingParams\n"
-        "if __name__ == '__main__':\n"
-        "    prompts = json.loads(sys.stdin.read())\n"
-        f"    llm = LLM(model={str(default_path)!r}, max_num_seqs=4, **{ENGINE!r})\n"
-        "    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)\n"
-        "    out = llm.generate([{'prompt_token_ids': p} for p in prompts], params,\n"
-        "                       use_tqdm=False)\n"
-        "    print('TOKENS', json.dumps([list(o.outputs[0].token_ids) for o in out]))\n")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["SFI_VLLM"] = "k_head=128,recent=64,trigger=fixed,period=8,coverage_layers=0"
-    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(essay_prompts[:2]),
-                          capture_output=True, text=True, env=env, timeout=600)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
-    assert lines, done.stderr[-3000:]
-    assert json.loads(lines[0][len("TOKENS "):]) == expected
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "numpy")
+
+
+@contextmanager
+def host_reads_per_step() -> Iterator[list[tuple[SFIMetadata, list[str]]]]:
+    """Each SFI step's metadata and the reads of a tensor's values into Python that sfi's
+    code makes during it (on a GPU each waits for the device, which vLLM's async scheduling
+    would otherwise keep busy)."""
+    steps: list[tuple[SFIMetadata, list[str]]] = []
+    plan = SFIMetadata.plan
+
+    def planning(self):
+        if not self.planned:
+            steps.append((self, []))
+        return plan(self)
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            caller = f"{frame.f_globals.get('__name__', '')}.{frame.f_code.co_name}"
+            # (sfi.vllm.metadata._on_host reads vLLM's host copies, refusing device tensors)
+            if steps and caller.startswith("sfi.") and not caller.endswith("._on_host"):
+                steps[-1][1].append(f"{caller}: {name}")
+            return original(self, *args, **kwargs)
+        return read
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SFIMetadata, "plan", planning)
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, counting(name))
+        yield steps
+
+
+def test_a_fast_step_reads_the_device_once(smol, essay_prompts):
+    """A step in which every row is fast, probes included, reads the device into Python once
+    (the decisions' inputs: input tokens, request keys, the probes' flags), whatever the
+    batch and the number of probe layers."""
+    with host_reads_per_step() as steps:
+        generate(smol, essay_prompts, COVERAGE, max_tokens=24)
+    fast = [reads for md, reads in steps if md.plans and all(p.kind == FAST for p in md.plans)]
+    assert len(fast) >= 5 and stats().reasons.get("coverage", 0) >= 1  # probes flagged
+    assert all(len(reads) == 1 for reads in fast), fast[0]
 
 
 TP_SCRIPT = """
@@ -186,7 +219,9 @@ if __name__ == '__main__':
 def test_tensor_parallel_ranks_decide_as_one_rank(tmp_path_factory, tokenizer, essay_prompts):
     """Two tensor-parallel ranks (one KV head each) give the tokens of one rank holding both,
     with the coverage probes on and flagging: every rank ORs the ranks' flags before it
-    decides, so the ranks' slow/fast decisions are one rank's."""
+    decides, so the ranks' slow/fast decisions are one rank's. A stock multi-process engine
+    (engine core and both workers in processes of their own) loads the plugin from
+    ``SFI_VLLM``."""
     from conftest import close_engine, make_engine, save_tiny
 
     folder = save_tiny("qwen2", tmp_path_factory.mktemp("tp"), tokenizer)

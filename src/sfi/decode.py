@@ -401,30 +401,29 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
             if on_token is not None and token not in eos:
                 on_token(row, token)
 
+    def wanted() -> tuple[list[bool], int]:
+        return ([not c.done for c in checkers],
+                max(c.max_tokens - len(c.tokens) for c in checkers if not c.done))
+
     decode_start = time.perf_counter()
-    while True:
-        push(next_ids.tolist())
-        if all(c.done for c in checkers):
-            break
-        if exact is not None:
-            room = max(c.max_tokens - len(c.tokens) for c in checkers if not c.done)
-            emitted = exact.advance(next_ids, position, attention_mask if padded else None,
-                                    [not c.done for c in checkers], room)
-            for column in emitted[:, :-1].T.tolist():  # the last is pushed at the loop's top
+    push(next_ids.tolist())
+    if exact is not None and not all(c.done for c in checkers):
+        for emitted in exact.rounds(next_ids, position, attention_mask if padded else None,
+                                    wanted):
+            for column in emitted.T.tolist():
                 push(column)
-            step = emitted.shape[1]
-            next_ids = emitted[:, -1]
-            if padded:
-                attention_mask = extended_mask(attention_mask, step)
-        else:
-            step = 1
-            if padded:  # without padding no mask is needed: no O(context) work per step
-                attention_mask = extended_mask(attention_mask, 1)
-            logits = decode_one(model, cache, next_ids, position + 1,
-                                attention_mask if padded else None)
-            next_ids = sample_next(logits, temperature, top_p, generator)
-        position = position + step
-        timing.decode_steps += step
+            timing.decode_steps += emitted.shape[1]
+            if all(c.done for c in checkers):
+                break
+    while exact is None and not all(c.done for c in checkers):
+        if padded:  # without padding no mask is needed: no O(context) work per step
+            attention_mask = extended_mask(attention_mask, 1)
+        logits = decode_one(model, cache, next_ids, position + 1,
+                            attention_mask if padded else None)
+        next_ids = sample_next(logits, temperature, top_p, generator)
+        position = position + 1
+        timing.decode_steps += 1
+        push(next_ids.tolist())
     timing.decode_s = time.perf_counter() - decode_start
 
     results = [GenerateResult(text=checker.text, token_ids=checker.tokens,

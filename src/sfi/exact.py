@@ -28,7 +28,7 @@ Shapes: B sequences, g drafts (gamma), V vocabulary.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -257,6 +257,21 @@ class ExactDecoder:
             return self._round(gamma, tokens, position, attention_mask, active, groups)
         finally:
             self.cache.phase = None
+
+    def rounds(self, tokens: torch.Tensor, position: torch.Tensor,
+               attention_mask: torch.Tensor | None,
+               wanted: Callable[[], tuple[list[bool], int]]) -> Iterator[torch.Tensor]:
+        """:meth:`advance` round after round from ``tokens [B]`` at ``position + 1`` (and the
+        padded ``attention_mask [B, T]``, extended as the cache grows): yields each round's
+        tokens ``[B, n]``, whose last the next round feeds, for as long as the caller takes
+        them. ``wanted()``, asked before each round, gives its ``active`` rows and ``room``."""
+        while True:
+            active, room = wanted()
+            emitted = self.advance(tokens, position, attention_mask, active, room)
+            yield emitted
+            position, tokens = position + emitted.shape[1], emitted[:, -1]
+            if attention_mask is not None:
+                attention_mask = extended_mask(attention_mask, emitted.shape[1])
 
     def _can_draft(self) -> bool:
         total = self.cache.get_seq_length() + 1

@@ -7,7 +7,7 @@ explicitly, so that changing the library's default does not move these outputs.
 Recorded (default model, SmolLM2-135M-Instruct, fp32, CPU):
 - ``generate``: ``sfi.generate`` for a padded batch of two essay prompts (sfi and full), and one
   sampled sequence with a seed;
-- ``eval``: ``run_eval`` rows (outputs, scores, retention, fidelity KL) on two short samples
+- ``eval``: ``run_eval`` rows (outputs, scores, retention, fidelity KL) on one short sample
   of two tasks plus fidelity, for every method of ``sfi eval``;
 - ``engine``: the server engine's replies for four pre-queued requests (greedy, seeded
   sampling, full attention, a stop string) decoded as one continuous batch;
@@ -65,7 +65,7 @@ def record_eval(model, tokenizer) -> list[dict[str, Any]]:
     from sfi.eval.runner import run_eval
 
     rows = run_eval(model, tokenizer, ["passkey", "niah", "fidelity"], [1024], METHODS, [0.3],
-                    samples=2, fidelity_tokens=48, base=paper_config())
+                    samples=1, fidelity_tokens=48, base=paper_config())
     return [r.to_dict() for r in rows]
 
 

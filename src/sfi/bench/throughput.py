@@ -176,14 +176,20 @@ def exact_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, st
     position = torch.full((tail.shape[0],), start + tail.shape[1] - 1, device=device)
     decoder = ExactDecoder(model, cache)
     out, want, have, begin, timed_from = [token[:, None]], 1 + warmup + new_tokens, 1, None, 0
-    while have < want:
-        if begin is None and have > warmup:
-            _sync(device)
-            begin, timed_from = time.perf_counter(), have
-        emitted = decoder.advance(token, position, None, [True] * tail.shape[0], want - have)
+    if warmup == 0:
+        begin, timed_from = time.perf_counter(), have
+
+    def wanted() -> tuple[list[bool], int]:
+        return [True] * tail.shape[0], want - have
+
+    for emitted in decoder.rounds(token, position, None, wanted):
         out.append(emitted)
         have += emitted.shape[1]
-        position, token = position + emitted.shape[1], emitted[:, -1]
+        if have >= want:
+            break
+        if begin is None and have > warmup:  # (before the next round)
+            _sync(device)
+            begin, timed_from = time.perf_counter(), have
     _sync(device)
     seconds = time.perf_counter() - begin
     return seconds * new_tokens / (have - timed_from), torch.cat(out, 1)[:, :want]

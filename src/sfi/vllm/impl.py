@@ -219,8 +219,8 @@ class SFIImpl:
 
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """Check each fast row's memory: flag the requests whose memory misses pages the query
-        bounds highly (they refresh at a later step; ``sfi.coverage``)."""
+        """Check each fast row's memory: flag the slots whose memory misses pages the query
+        bounds highly (their requests refresh at a later step; ``sfi.coverage``)."""
         c = requests.config
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]
@@ -228,6 +228,7 @@ class SFIImpl:
         d = cache_keys.shape[3]
         softcap = getattr(self, "logits_soft_cap", None) or None
         h = cache_keys.shape[1]
+        found = []
         for i, plan in enumerate(md.fast_plans):
             held = self.records[plan.slot].coverage
             q = query[md.query_start[plan.row]].view(1, h, -1, d)  # [1, H, G, D]
@@ -238,9 +239,11 @@ class SFIImpl:
                                          length=plan.total)
             chosen = read_positions(cache_keys, md.block_table[plan.row], positions[0],
                                     layout.key_order)
-            if misses(q, chosen[None], real, lse, threshold=c.coverage_threshold,
-                      scale=self.scale, softcap=softcap)[0]:
-                requests.flag_coverage_miss(plan.slot)
+            found.append(misses(q, chosen[None], real, lse, threshold=c.coverage_threshold,
+                                scale=self.scale, softcap=softcap))
+        # kept where the model runs (no wait for the device here); the next step's plan reads
+        # every layer's flags in its one transfer
+        requests.missed[md.fast_slot_index] |= torch.cat(found)
 
 
 def _probe_page(config: Any) -> int:

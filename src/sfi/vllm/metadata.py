@@ -14,7 +14,7 @@ module state.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -55,13 +55,45 @@ TOKEN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
                        "Qwen3ForCausalLM")
 
 
-def _last_tokens(ids: torch.Tensor | None, query_start: list[int], rows: int
-                 ) -> list[int] | None:
-    """Each row's last input token of the step (None if the model recorded none)."""
-    if ids is None:
-        return None
-    last = torch.tensor([query_start[r + 1] - 1 for r in range(rows)])
-    return ids.index_select(0, last.to(ids.device)).tolist()
+def _on_host(values: torch.Tensor) -> list[int]:
+    """The values of one of the tensors vLLM keeps on the host (reading them waits for no
+    device)."""
+    if values.device.type != "cpu":
+        raise RuntimeError(f"sfi.vllm expected a host tensor here, found one on {values.device}")
+    return values.tolist()
+
+
+def _host_inputs(md: SFIMetadata) -> tuple[list[int] | None, list[int], list[int], list[bool]]:
+    """What the step's decisions need from the device, in one transfer (the step's only wait
+    for the device outside refreshes; under vLLM's async scheduling every further one would
+    stall the host): each row's last input token (None if the model recorded none), request
+    key and context length (unless vLLM gave them on the host), and the probes' misses since
+    the last step per slot (OR-ed over the tensor-parallel ranks)."""
+    requests, n = md.book, len(md.query_start) - 1
+    device = md.key_column.device
+    parts = []
+    if md.input_ids is not None:
+        last = torch.tensor(md.query_start[1:], device=md.input_ids.device) - 1
+        parts.append(md.input_ids.index_select(0, last))
+    parts.append(md.key_column)
+    if md.seq_lens is None:
+        parts.append(md.common.seq_lens[:n])
+    flags = requests.missed
+    if flags is not None:
+        flags = flags.to(torch.float32)
+        if get_tensor_model_parallel_world_size() > 1:
+            flags = tensor_model_parallel_all_reduce(flags)
+        parts.append(flags)
+    values = torch.cat([part.to(device=device, dtype=torch.int64) for part in parts]).tolist()
+    if requests.missed is not None:
+        requests.missed.zero_()
+    tokens = values[:n] if md.input_ids is not None else None
+    values = values[n:] if md.input_ids is not None else values
+    keys, values = values[:n], values[n:]
+    seq_lens = md.seq_lens
+    if seq_lens is None:
+        seq_lens, values = values[:n], values[n:]
+    return tokens, keys, seq_lens, [bool(v) for v in values]
 
 
 def refuse_unsupported(vllm_config: Any) -> None:
@@ -85,17 +117,6 @@ def refuse_unsupported(vllm_config: Any) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise RuntimeError("SFI in vLLM does not support speculative decoding "
                            "(no --speculative-config), or unset SFI_VLLM")
-
-
-def _share_coverage(requests: RequestBook, device: torch.device) -> None:
-    """Under tensor parallelism each rank probes only its own KV heads: OR every rank's
-    coverage flags (one all-reduce of a flag per slot, each step that probes), so that every
-    rank decides what one rank holding all heads would."""
-    if not requests.config.coverage_layers or get_tensor_model_parallel_world_size() == 1:
-        return
-    flags = torch.tensor(requests.coverage_flags(), dtype=torch.float32, device=device)
-    total = tensor_model_parallel_all_reduce(flags)
-    requests.set_coverage_flags([bool(f > 0) for f in total.tolist()])
 
 
 def _book_for(vllm_config: Any) -> RequestBook | None:
@@ -155,9 +176,35 @@ def _rows_of(common: CommonAttentionMetadata, rows: list[int], starts: list[int]
     return replace(common, **changes, query_start_loc=qsl.to(common.query_start_loc.device),
                    query_start_loc_cpu=qsl, seq_lens=lengths.to(common.seq_lens.device),
                    num_reqs=len(rows), num_actual_tokens=len(tokens),
-                   max_query_len=int(lens.max()), max_seq_len=max(seq_lens),
+                   max_query_len=max(starts[r + 1] - starts[r] for r in rows),
+                   max_seq_len=max(seq_lens),
                    block_table_tensor=block_table.to(common.block_table_tensor.device),
                    slot_mapping=common.slot_mapping.index_select(0, tokens))
+
+
+# A stock builder's buffers that its metadata may share by design: Triton's scratch space,
+# used within one kernel call (SFI runs the parts one after another on one stream).
+SCRATCH_BUFFERS = frozenset({"softmax_segm_output", "softmax_segm_max", "softmax_segm_expsum"})
+
+
+def _own_copy(metadata: Any, builder: Any) -> Any:
+    """``metadata`` (a stock backend's dataclass) with a copy of each tensor that shares memory
+    with one of ``builder``'s own tensors (other than :data:`SCRATCH_BUFFERS`)."""
+    buffers = [t for name, t in vars(builder).items()
+               if isinstance(t, torch.Tensor) and name not in SCRATCH_BUFFERS]
+    if not buffers or not is_dataclass(metadata):
+        return metadata
+    owned = {t.untyped_storage().data_ptr() for t in buffers}
+    shared = {f.name: value.clone() for f in fields(metadata)
+              if f.init and isinstance(value := getattr(metadata, f.name, None), torch.Tensor)
+              and value.untyped_storage().data_ptr() in owned}
+    return replace(metadata, **shared) if shared else metadata
+
+
+def _full_graphs(vllm_config: Any) -> bool:
+    """Whether the engine captures whole steps, attention included, in CUDA graphs."""
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    return bool(mode is not None and mode.has_full_cudagraphs())
 
 
 @dataclass
@@ -168,8 +215,11 @@ class SFIMetadata:
     Attributes:
         common: vLLM's metadata of the whole batch; builder: the builder that made this;
             book: the request book that decides its rows.
-        keys, query_lens, seq_lens, query_start: each row's request key (its first block),
-            query and context lengths, first query token.
+        key_column: ``[rows]`` each row's first KV block (its request's key, read on the host
+            when planned); keys: the same on the host (empty until planned).
+        query_lens, query_start: each row's query length and first query token.
+        seq_lens: each row's context length (None until planned, where vLLM gives no copy on
+            the host).
         block_table: ``[rows, max_blocks]`` vLLM's block table (to read a request's entries).
         stock: the stock metadata of the whole batch, when no row is fast or the first
             ``dense_layers`` layers read everything (else None).
@@ -178,7 +228,7 @@ class SFIMetadata:
         fast: the stock metadata of the fast rows over the plugin's buffer.
         fast_slots: ``[n_fast]`` where each fast row's new entry goes in the buffer
             (block * bs + offset); fast_blocks: ``[n_fast, blocks]`` each one's slot blocks;
-            fast_plans: their plans.
+            fast_slot_index: ``[n_fast]`` their slots; fast_plans: their plans.
         plans: what each row does (empty until planned); refreshing: the slow and selecting
             rows among them; recording: the prompt chunks whose last queries are kept.
     """
@@ -186,11 +236,12 @@ class SFIMetadata:
     common: CommonAttentionMetadata
     builder: SFIBuilder
     book: RequestBook
-    keys: list[int]
+    key_column: torch.Tensor
     query_lens: list[int]
-    seq_lens: list[int]
+    seq_lens: list[int] | None
     query_start: list[int]
     block_table: torch.Tensor
+    keys: list[int] = field(default_factory=list)
     stock: Any = None
     dense: Any = None
     dense_tokens: torch.Tensor | None = None
@@ -198,6 +249,7 @@ class SFIMetadata:
     fast_tokens: torch.Tensor | None = None
     fast_slots: torch.Tensor | None = None
     fast_blocks: torch.Tensor | None = None
+    fast_slot_index: torch.Tensor | None = None
     fast_plans: list[RowPlan] = field(default_factory=list)
     plans: list[RowPlan] = field(default_factory=list)
     refreshing: list[RowPlan] = field(default_factory=list)
@@ -212,13 +264,17 @@ class SFIMetadata:
             return
         self.planned = True
         requests = self.book
-        tokens = _last_tokens(self.input_ids, self.query_start, len(self.keys))
-        if tokens is None and requests.config.trigger == "sentence":
+        if self.input_ids is None and requests.config.trigger == "sentence":
             raise RuntimeError(
                 "SFI's sentence trigger needs the input tokens, which sfi records for the "
                 f"architectures {', '.join(TOKEN_ARCHITECTURES)}; this model is not one of "
                 "them: set trigger=fixed (and a period) in SFI_VLLM")
-        _share_coverage(requests, self.common.slot_mapping.device)
+        if requests.probes and requests.missed is None:
+            requests.missed = torch.zeros(requests.slots, dtype=torch.bool,
+                                          device=self.key_column.device)
+        tokens, self.keys, self.seq_lens, flags = _host_inputs(self)
+        if flags:
+            requests.apply_coverage_flags(flags)
         self.plans = requests.plan(self.keys, self.query_lens, self.seq_lens, tokens)
         self.refreshing = [p for p in self.plans if p.kind in (SLOW, SELECT)]
         self.recording = [p for p in self.plans if p.record]
@@ -248,6 +304,7 @@ class SFIMetadata:
         bs = self.builder.block_size
         self.fast_slots = torch.tensor([p.slot * per_slot * bs + p.length - 1
                                         for p in fast_plans], device=device)
+        self.fast_slot_index = torch.tensor([p.slot for p in fast_plans], device=device)
 
 
 class SFIBuilder:
@@ -263,22 +320,35 @@ class SFIBuilder:
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
-        return AttentionCGSupport.NEVER  # the parts and memories change at every step
+        """What vLLM may capture in CUDA graphs, asked once at engine start: the stock
+        backend's own support when SFI is off then (the engine runs as stock, full graphs
+        included), none with SFI on (the parts and memories change at every step)."""
+        if active_config()[0] is None:
+            return super().get_cudagraph_support(vllm_config, kv_cache_spec)  # type: ignore[misc]
+        return AttentionCGSupport.NEVER
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Any:
         common = common_attn_metadata
-        requests = _book_for(self.vllm_config)
-        if requests is None or common.num_reqs == 0 or not self._full_attention():
+        if active_config()[0] is None or common.num_reqs == 0 or not self._full_attention():
             return super().build(common_prefix_len, common, fast_build)
+        if _full_graphs(self.vllm_config):
+            raise RuntimeError(
+                "SFI was switched on (sfi.vllm.configure) in a vLLM engine that started without "
+                "it and replays CUDA graphs of whole steps, attention included, which cannot run "
+                "SFI's per-step plan: set SFI_VLLM (or call configure) before the engine "
+                "starts, or run it with enforce_eager=True")
+        requests = _book_for(self.vllm_config)
         n = common.num_reqs
-        starts = common.query_start_loc_cpu.tolist()
+        starts = _on_host(common.query_start_loc_cpu[: n + 1])
+        # vLLM's host copy of the lengths is exact without speculative decoding (refused)
+        host_lens = getattr(common, "seq_lens_cpu_upper_bound", None)
         block_table = common.block_table_tensor[:n]
         return SFIMetadata(common=common, builder=self, book=requests,
-                           keys=block_table[:, 0].tolist(),
+                           key_column=block_table[:, 0],
                            query_lens=[starts[r + 1] - starts[r] for r in range(n)],
-                           seq_lens=common.seq_lens[:n].tolist(), query_start=starts,
-                           block_table=block_table)
+                           seq_lens=None if host_lens is None else _on_host(host_lens[:n]),
+                           query_start=starts, block_table=block_table)
 
     def _full_attention(self) -> bool:
         """A causal decoder layer that sees its whole context (no sliding window)."""
@@ -290,8 +360,12 @@ class SFIBuilder:
         return getattr(self.kv_cache_spec, "sliding_window", None) in (-1, None)
 
     def build_stock(self, common: CommonAttentionMetadata) -> Any:
-        """The stock metadata of ``common`` (a whole batch or a part of it)."""
-        return super().build(0, common)
+        """The stock metadata of ``common`` (a whole batch or a part of it), holding no view
+        of the builder's own buffers: a step builds up to three parts, and a stock builder
+        may write each build into one persistent buffer (vLLM 0.33's FlashAttention keeps its
+        FA3 scheduler metadata so when it expects full CUDA graphs), where the next part's
+        build would overwrite the last one's."""
+        return _own_copy(super().build(0, common), self)  # type: ignore[misc]
 
     def blocks_per_slot(self, requests: RequestBook) -> int:
         return blocks_per_slot(requests.capacity, self.block_size)

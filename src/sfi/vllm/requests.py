@@ -3,8 +3,9 @@
 vLLM's attention metadata names no request, so a request is known by the first KV block of its
 block table (unique among live requests while prefix caching is off): a row whose context is
 all new (``seq_len == query_len``) starts a request afresh; a known key continues one. Every
-tensor-parallel rank sees the same block tables and lengths, so every rank decides the same
-without talking.
+tensor-parallel rank sees the same block tables and lengths; the one thing ranks see apart is
+what their probes find in their own KV heads, which the glue ORs over the ranks before each
+step's decisions, so every rank decides the same.
 
 The decisions mirror :class:`sfi.planner.Planner` for one sequence without padding:
 - a prefill chunk (several query tokens) attends densely and records its last W queries, the
@@ -33,6 +34,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from sfi.config import SFIConfig
 from sfi.coverage import probe_layers
@@ -163,6 +165,9 @@ class RequestBook:
         self.stats = BookStats()
         self.layers = tuple(range(layers))
         self.probes = probe_layers(config.coverage_layers, range(layers), config.dense_layers)
+        # the probes' misses since the last step's decisions, per slot, where the model runs
+        # (a [slots] tensor the glue keeps, so that a probe never waits for the device)
+        self.missed: Any = None
 
     # --- the step --------------------------------------------------------------------------
     def plan(self, keys: Sequence[int], query_lens: Sequence[int], seq_lens: Sequence[int],
@@ -276,20 +281,13 @@ class RequestBook:
         state.length += 1
         return RowPlan(row, FAST, state.slot, t, length=state.length)
 
-    def coverage_flags(self) -> list[bool]:
-        """Per slot, whether its request is flagged by a probe (the ranks of a tensor-parallel
-        group OR these before each step's decisions, ``sfi.vllm.metadata``)."""
-        flags = [False] * self.slots
+    def apply_coverage_flags(self, flags: Sequence[bool]) -> None:
+        """Flag the request in each slot whose ``flags`` entry is set: the probes' misses since
+        the last step, which the glue reads in one transfer before each step's decisions (and,
+        under tensor parallelism, ORs over the ranks first, so that every rank decides alike)."""
         for state in self.requests.values():
-            if state.slot is not None:
-                flags[state.slot] = state.seq.coverage_miss
-        return flags
-
-    def set_coverage_flags(self, flags: list[bool]) -> None:
-        """Flag each slot's request as ``flags`` says (the flags of every rank, OR-ed)."""
-        for state in self.requests.values():
-            if state.slot is not None:
-                state.seq.coverage_miss = flags[state.slot]
+            if state.slot is not None and flags[state.slot]:
+                state.seq.coverage_miss = True
 
     def flag_coverage_miss(self, slot: int) -> None:
         """A probe layer found the memory in ``slot`` missing attention mass: its request

@@ -1,0 +1,101 @@
+"""SFI's metadata builder over a stand-in stock builder: what no CPU engine reaches (vLLM 0.33's
+FlashAttention builder on CUDA keeps its FA3 scheduler metadata in one persistent buffer when it
+expects full CUDA graphs; the CPU builder keeps none), and how the builder answers vLLM's CUDA
+graph question with SFI off and on at engine start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace as Namespace
+
+import pytest
+import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.attention.backend import AttentionCGSupport
+
+from sfi import SFIConfig
+from sfi.vllm import configure
+from sfi.vllm.metadata import SFIBuilder
+
+
+@dataclass
+class StockMetadata:
+    seq_lens: torch.Tensor
+    scheduler_metadata: torch.Tensor
+    softmax_segm_output: torch.Tensor
+
+
+class StockBuilder:
+    """Builds as FlashAttention's builder does under full CUDA graphs: each build writes its
+    schedule into the builder's one buffer and returns a view of it; the scratch buffer of
+    Triton's builder is shared by every build on purpose."""
+
+    def __init__(self, vllm_config: Namespace) -> None:
+        self.vllm_config = vllm_config
+        self.scheduler_metadata = torch.zeros(8, dtype=torch.int32)
+        self.softmax_segm_output = torch.zeros(4)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: object, kv_cache_spec: object
+                              ) -> AttentionCGSupport:
+        return AttentionCGSupport.UNIFORM_BATCH
+
+    def build(self, common_prefix_len: int, common: Namespace, fast_build: bool = False
+              ) -> StockMetadata:
+        n = len(common.seq_lens)
+        self.scheduler_metadata[:n] = common.seq_lens
+        self.scheduler_metadata[n:] = 0
+        return StockMetadata(common.seq_lens, self.scheduler_metadata[:n],
+                             self.softmax_segm_output)
+
+
+class Builder(SFIBuilder, StockBuilder):
+    pass
+
+
+def engine_config(graphs: CUDAGraphMode = CUDAGraphMode.NONE) -> Namespace:
+    return Namespace(cache_config=Namespace(enable_prefix_caching=False, cache_dtype="auto"),
+                     parallel_config=Namespace(decode_context_parallel_size=1,
+                                               pipeline_parallel_size=1),
+                     speculative_config=None,
+                     compilation_config=Namespace(cudagraph_mode=graphs))
+
+
+@pytest.fixture
+def sfi_off():
+    configure(None)
+    yield
+    configure(None)
+
+
+def test_each_part_keeps_its_own_scheduler_metadata(sfi_off):
+    """A mixed step builds its dense and fast parts with one builder: the first part's
+    schedule must survive the second build (it would be a view the second overwrites)."""
+    builder = Builder(engine_config())
+    dense = builder.build_stock(Namespace(seq_lens=torch.tensor([700, 900, 40])))
+    fast = builder.build_stock(Namespace(seq_lens=torch.tensor([251])))
+    assert dense.scheduler_metadata.tolist() == [700, 900, 40]
+    assert fast.scheduler_metadata.tolist() == [251]
+    assert dense.softmax_segm_output is builder.softmax_segm_output  # scratch: shared as stock
+    stock = StockBuilder.build(builder, 0, Namespace(seq_lens=torch.tensor([3])))
+    assert stock.scheduler_metadata.data_ptr() == builder.scheduler_metadata.data_ptr()
+
+
+def test_cuda_graphs_are_stocks_with_sfi_off_at_engine_start(sfi_off):
+    """With SFI off when vLLM asks (engine start), the engine may capture what stock vLLM
+    captures (a stock engine timed under the plugin is stock); with SFI on, nothing."""
+    assert Builder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_BATCH
+    configure(SFIConfig(coverage_layers=0, trigger="fixed", period=8))
+    assert Builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+
+
+def test_switching_sfi_on_under_full_cuda_graphs_is_refused(sfi_off):
+    """An engine that started with SFI off may replay whole steps from CUDA graphs, where SFI's
+    plan cannot run: switching SFI on there is refused by name, not silently skipped."""
+    builder = Builder(engine_config(CUDAGraphMode.FULL_AND_PIECEWISE))
+    builder.kv_cache_spec = Namespace(sliding_window=None)
+    common = Namespace(num_reqs=1, seq_lens=torch.tensor([12]))
+    assert builder.build(0, common).seq_lens.tolist() == [12]  # SFI off: stock
+    configure(SFIConfig(coverage_layers=0, trigger="fixed", period=8))
+    with pytest.raises(RuntimeError, match=r"switched on .* before the engine starts"):
+        builder.build(0, common)
