@@ -30,7 +30,7 @@ install() {
     touch "$VENV/.install-stamp"
 }
 
-bench() {  # bench MODEL NAME: stock vLLM, then vLLM + SFI, compiled, one row a line
+bench() {  # bench MODEL NAME: vLLM + SFI, then stock vLLM, compiled, one row a line
     timeout "${BENCH_TIMEOUT:-200}" "$SFI" bench-vllm --model "$1" --contexts "$CONTEXTS" \
         --batch 1,4 --new-tokens 32 --no-own-engine --no-llama-cpp --dtype bfloat16 \
         --no-eager --attention-backend FLASH_ATTN --log-rows "$OUT/rows.jsonl" --json \

@@ -31,6 +31,7 @@ from sfi.bench.throughput import (
     measure_cell,
 )
 from sfi.config import SFIConfig
+from sfi.errors import SFIError
 from sfi.prefix import prefix_kv
 
 VLLM_MODES = ("vllm", "vllm+sfi")
@@ -160,7 +161,7 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
     Eager, one engine serves both vLLM modes, SFI switched on and off between them (with SFI
     off its builders return vLLM's metadata: stock vLLM's code path). Compiled, each mode has
     an engine of its own, started with its setting (CUDA graphs follow what the backend
-    declares at engine start): stock vLLM without the plugin installed, then vLLM + SFI."""
+    declares at engine start): vLLM + SFI, then stock vLLM without the plugin installed."""
     from sfi.vllm import backend, configure
 
     say = progress or (lambda _msg: None)
@@ -179,6 +180,9 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
         times = time_decode(llm, ids[cell].tolist(), new_tokens, warmup)
         fast = None
         if mode == "vllm+sfi":  # decode steps only (the book counts prompt chunks too)
+            if backend.book() is None:
+                raise SFIError("vLLM + SFI ran no SFI step: the engine did not run sfi's "
+                               "attention backend")
             kept = [r.seq.stats for r in backend.book().requests.values()]
             fast = round(sum(s.fast_steps for s in kept)
                          / max(sum(s.decode_steps for s in kept), 1), 4)
@@ -197,8 +201,9 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
                 configure(config if mode == "vllm+sfi" else None)
                 time_mode(llm, mode, cell)
         close_engine(llm)
-    else:
-        for mode in VLLM_MODES:
+    else:  # vLLM + SFI first: an engine made after one without the plugin, in the same
+        # process, was seen to run the SFI backend without the model's input ids
+        for mode in reversed(VLLM_MODES):
             configure(config if mode == "vllm+sfi" else None)  # before the engine starts
             llm = make_engine(path, **engine, plugin=mode == "vllm+sfi")
             for cell in cells:

@@ -119,6 +119,17 @@ def uninstall() -> None:
                 member.clear_override()
     ModelRegistry.models.update(_REPLACED)
     _REPLACED.clear()
+    _forget_chosen_backends()
+
+
+def _forget_chosen_backends() -> None:
+    """Clear vLLM's memo of the attention backend class each selection resolved to, so that an
+    engine made after :func:`install` or :func:`uninstall` resolves its backend anew."""
+    from vllm.v1.attention import selector
+
+    memo = getattr(selector, "_cached_get_attn_backend", None)
+    if hasattr(memo, "cache_clear"):
+        memo.cache_clear()
 
 
 def install() -> None:
@@ -144,6 +155,7 @@ def install() -> None:
         wrapper = _wrap(getattr(stock, backend), getattr(stock, builder), getattr(stock, impl))
         register_backend(AttentionBackendEnum[name], f"{__name__}.{wrapper.__name__}")
     _record_input_ids()
+    _forget_chosen_backends()
 
 
 def _wrap(backend: type, builder: type, impl: type) -> type:
