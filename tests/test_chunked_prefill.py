@@ -211,3 +211,24 @@ def test_prefill_refuses_what_chunks_cannot_do(tiny):
         prefill(model, build_cache(model, tok, "full"), ids, attention_mask=mask, chunk=32)
     with pytest.raises(SFIError, match="no tokens"):
         prefill(model, build_cache(model, tok, "full"), ids[:, :0])
+
+
+def test_a_joining_prompts_chunks_fit_the_stall():
+    """Between two decode steps a chunk takes what fits in the time left at the last chunk's
+    speed (``prefill_chunk`` at most), the whole rest when nobody waits, and the prompt's last
+    chunk keeps at least the evidence window."""
+    from sfi.server.lanes import Join, chunk_tokens
+
+    join = Join(request=None, cache=None, ids=torch.zeros(1, 1000), window=16)
+    assert chunk_tokens(join, 128, None) == 128  # nobody decodes
+    assert chunk_tokens(join, 128, 0.3) == 128  # no speed measured yet
+    join.seconds_per_token = 0.005
+    assert chunk_tokens(join, 128, 0.3) == 60 and chunk_tokens(join, None, 0.3) == 60
+    assert chunk_tokens(join, 128, 2.0) == 128 and chunk_tokens(join, 128, -0.1) == 0
+    assert join.next_end(60) == 60 and join.next_end(None) == 1000
+    join.prefilled = 900
+    assert join.next_end(90) == 984  # 16 left for the last chunk
+    join.prefilled = 980
+    assert join.next_end(10) == 984  # 4 now, so that the last holds the window
+    join.prefilled = 984
+    assert join.next_end(10) == 1000  # the rest is no more than the window

@@ -71,7 +71,7 @@ def test_extreme_sampling_values_fail_nothing(server):
 
 
 def test_a_failing_prefill_fails_only_its_request(tiny, monkeypatch):
-    import sfi.server.engine as engine_module
+    import sfi.server.lanes as engine_module  # where a joining prompt's chunks are prefilled
 
     with Server(*tiny) as running:
         original = engine_module.prefill

@@ -255,14 +255,14 @@ class SlabLayer(CacheLayerMixin):
     def _relayout(self, capacity: int | None = None, reserved: int | None = None,
                   shift: int = 0, room: int = 0) -> None:
         """Copy the rows in use into a new slab of ``reserved`` rows and ``room + capacity``
-        positions (default: as now, no room), with ``shift`` more positions of left padding;
-        the origin is then ``room``."""
-        capacity = self.capacity if capacity is None else capacity
-        reserved = self.reserved if reserved is None else reserved
+        positions (default: as now), ``shift`` more of left padding, origin ``room``; free rows
+        and positions past the length are not zeroed (each is written before it is read)."""
+        capacity, reserved = capacity or self.capacity, reserved or self.reserved
         n, start = self.rows, room + shift
         for name in _POSITIONAL:
             old = getattr(self, name)
-            new = old.new_zeros(reserved, *old.shape[1:2], room + capacity, *old.shape[3:])
+            new = old.new_empty(reserved, *old.shape[1:2], room + capacity, *old.shape[3:])
+            new[:n, :, :start] = 0
             new[:n, :, start: start + self.length] = old[:, :, : self.length]
             self._slab[name] = new
         for name in _COMPACT:

@@ -1,12 +1,12 @@
 """Continuous batching: one decode loop steps every active sequence together.
 
-A request is prefilled on its own (its own ``SlowFastCache``), in chunks interleaved with the
-running batch's decode steps (at most ``max_stall`` seconds of chunks between two steps), then
-joins the running batch (``SlowFastCache.merge``); each decode step is one batched forward
-pass; a finished or cancelled sequence leaves at once (``SlowFastCache.keep``). The running
-batch's KV lives in a slab of ``max_batch`` rows reserved when it starts
-(``SlowFastCache.reserve``): a joining sequence is copied into a free row and a leaving one
-gives its row back, without the batch being copied (only when the slab needs more positions).
+A request is prefilled on its own (its own ``SlowFastCache``), in chunks between the running
+batch's decode steps (sized to fit in ``max_stall``), then joins the running batch
+(``SlowFastCache.merge``); each decode step is one batched forward pass; a finished or
+cancelled sequence leaves at once (``SlowFastCache.keep``). The batch's KV lives in a slab
+of ``max_batch`` rows reserved at its start (``SlowFastCache.reserve``): a joining sequence is
+copied into a free row, a leaving one gives its row back (the batch is copied only when the
+slab needs more positions).
 Every sequence keeps its own SFI state, triggers and counters; a ``mode="full"`` request is a
 dense-only sequence in the same batch. ``mode="exact"`` requests (``sfi.exact``: full
 attention's tokens, drafted by fast steps) run in a second batch of their own
@@ -28,12 +28,12 @@ import torch
 
 from sfi.cache import SlowFastCache
 from sfi.config import SFIConfig
-from sfi.decode import StopChecker, decode_one, prefill, prompt_chunks, sample_next
+from sfi.decode import StopChecker, decode_one, sample_next
 from sfi.errors import SFIError
 from sfi.hf import eos_token_ids
 from sfi.methods import build_cache
 from sfi.runtime import give_back_freed_memory
-from sfi.server.lanes import Join, Lane, request_sampling
+from sfi.server.lanes import MIN_CHUNK, Join, Lane, chunk_tokens, request_sampling
 from sfi.server.requests import (
     EngineLimits,
     EngineMetrics,
@@ -71,6 +71,7 @@ class Engine:
         self.max_batch, self.max_queue = limits.max_batch, limits.max_queue
         self.request_timeout, self.prefill_chunk = limits.request_timeout, limits.prefill_chunk
         self.max_stall, self.max_kv_tokens = limits.max_stall, limits.max_kv_tokens
+        self.min_chunk = min(MIN_CHUNK, self.prefill_chunk or MIN_CHUNK)  # tokens in a gap
         self._step_done = 0.0  # when the last decode step ended (perf_counter)
         self.model, self.tokenizer = model, tokenizer
         self.config = config if config is not None else SFIConfig()
@@ -193,10 +194,9 @@ class Engine:
 
     @torch.inference_mode()
     def _admit(self) -> None:
-        """Prefill chunks of the joining prompt (taking the next waiting request when there is
-        a free slot) until the running streams have waited ``max_stall`` seconds since their
-        last step; while nobody is decoding, whole prompts back to back. A prompt that has
-        finished its prefill joins the batch at the start of the next gap, alone in it."""
+        """Prefill chunks of the joining prompt (or of the next waiting request's, given a free
+        slot) that fit in ``max_stall`` (``lanes.chunk_tokens``); while nobody decodes, whole
+        prompts back to back. A prefilled prompt joins the batch in the next gap, alone."""
         if self._ready is not None:
             self._join_batch(*self._ready)
             self._ready = None
@@ -210,8 +210,13 @@ class Engine:
                     return  # it joins in the next gap
                 self._join_batch(*self._ready)
                 self._ready = None
-            elif self.active and time.perf_counter() - self._step_done >= self.max_stall:
+            elif self.active and self._chunk_tokens() in range(self.min_chunk):  # (None: any)
                 return  # a decode step of the running batch before the next chunk
+
+    def _chunk_tokens(self) -> int | None:
+        """The joining prompt's next chunk's tokens at most (None: all that are left)."""
+        left = self.max_stall - (time.perf_counter() - self._step_done) if self.active else None
+        return chunk_tokens(self._join, self.prefill_chunk, left)
 
     def _start_join(self) -> bool:
         """Take the next waiting request into ``_join``; returns whether there was one."""
@@ -237,9 +242,8 @@ class Engine:
                 self._finish(request, "error", error=exc)
                 continue
             ids = torch.tensor([request.prompt_ids], device=self.device)
-            bounds = prompt_chunks(len(request.prompt_ids), self.prefill_chunk,
-                                   config.evidence_window)
-            self._join = Join(request, cache, ids, bounds)
+            self._join = Join(request, cache, ids, config.evidence_window,
+                              seconds_per_token=self.metrics.prefill_seconds_per_token)
             return True
         return False
 
@@ -265,11 +269,11 @@ class Engine:
                 self._finish(request, "cancelled")
             join.cache.close()
             return
-        start, end = join.bounds[join.done], join.bounds[join.done + 1]
+        tokens = self._chunk_tokens()
+        end = join.next_end(None if tokens is None else max(tokens, self.min_chunk))
         try:
-            join.cache.prompt_continues = end < join.length
-            logits = prefill(self.model, join.cache, join.ids[:, start:end], start=start)
-            join.done += 1
+            logits = join.prefill_to(self.model, end)
+            self.metrics.prefill_seconds_per_token = join.seconds_per_token
             self.metrics.prefill_chunks += 1
             give_back_freed_memory()  # a chunk's activations
             if end < join.length:

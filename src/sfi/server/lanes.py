@@ -7,28 +7,66 @@ A joining request's prefill, chunk by chunk, is a :class:`Join`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from sfi.cache import SlowFastCache
+from sfi.decode import prefill
 from sfi.exact import ExactDecoder, RoundCounts, Sampling
 from sfi.server.requests import GenerationRequest
 
 
 @dataclass
 class Join:
-    """A request whose prompt is being prefilled, chunk by chunk."""
+    """A request whose prompt is being prefilled, chunk by chunk; ``window``: the last chunk
+    holds at least this many tokens (the queries of SFI's first selection)."""
 
     request: GenerationRequest
     cache: SlowFastCache
     ids: torch.Tensor  # [1, T]
-    bounds: list[int]
-    done: int = 0  # chunks prefilled
+    window: int
+    prefilled: int = 0  # prompt tokens in the cache
+    seconds_per_token: float | None = None  # the last chunk's prefill time per token
 
     @property
     def length(self) -> int:
         return self.ids.shape[1]
+
+    def prefill_to(self, model: torch.nn.Module, end: int) -> torch.Tensor:
+        """Prefill the prompt up to ``end`` (timed); returns its last position's logits
+        ``[1, V]``."""
+        start, begin = self.prefilled, time.perf_counter()
+        self.cache.prompt_continues = end < self.length
+        logits = prefill(model, self.cache, self.ids[:, start:end], start=start)
+        self.seconds_per_token = (time.perf_counter() - begin) / (end - start)
+        self.prefilled = end
+        return logits
+
+    def next_end(self, tokens: int | None) -> int:
+        """Where a next chunk of at most ``tokens`` (None: no bound) ends: the prompt's end,
+        or short of it by at least ``window`` tokens."""
+        rest = self.length - self.prefilled
+        if tokens is None or rest <= max(tokens, self.window):
+            return self.length
+        return self.prefilled + min(tokens, rest - self.window)
+
+
+MIN_CHUNK = 16  # the fewest prompt tokens a chunk between two decode steps takes
+
+
+def chunk_tokens(join: Join | None, most: int | None, left: float | None) -> int | None:
+    """How many tokens the joining prompt's next chunk may take (None: all that are left):
+    ``most`` at most (None: no bound), and, with ``left`` seconds before the running streams'
+    next step (None: nobody waits), as many as the last chunk's speed fits in them; none once
+    the time is up."""
+    if left is not None and left <= 0:
+        return 0
+    if left is None or join is None or join.seconds_per_token is None:
+        return most
+    fits = int(left / join.seconds_per_token)
+    return fits if most is None else min(most, fits)
 
 
 @dataclass

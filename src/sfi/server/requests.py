@@ -73,11 +73,11 @@ class EngineLimits:
         max_queue: requests waiting for a free slot at most (requests that a free slot will take
             at once do not count); past it ``Engine.submit`` raises.
         request_timeout: seconds a request may take from submission, or None for no limit.
-        prefill_chunk: a joining prompt is prefilled in chunks of this many tokens between
-            decode steps of the running batch (None: the whole prompt at once).
-        max_stall: seconds of prefill chunks between two decode steps of running streams (at
-            least one chunk), so that a stream waits at most about ``max_stall`` plus one chunk
-            for newcomers.
+        prefill_chunk: a joining prompt is prefilled in chunks of at most this many tokens
+            between decode steps of the running batch (None: no bound of its own).
+        max_stall: seconds of prefill between two decode steps of running streams: chunks
+            are sized to end within it at the last chunk's speed (at least 16 tokens per
+            gap), so that a stream waits about ``max_stall`` plus a step for newcomers.
         max_kv_tokens: the KV tokens (prompt + max_tokens per sequence) the running batch may
             hold together; a request that does not fit waits in the queue until others finish
             (None: bounded by ``max_batch`` alone).
@@ -125,6 +125,7 @@ class EngineMetrics:
     exact_accepted: int = 0
     exact_dense_steps: int = 0
     recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+    prefill_seconds_per_token: float | None = None  # the last prefill chunk's (sizes the next)
 
     def count_step(self, kinds: list[str]) -> None:
         """A batched decode step whose sequences took steps of these kinds."""
