@@ -177,6 +177,7 @@ def exact_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, st
     decoder = ExactDecoder(model, cache)
     out, want, have, begin, timed_from = [token[:, None]], 1 + warmup + new_tokens, 1, None, 0
     if warmup == 0:
+        _sync(device)
         begin, timed_from = time.perf_counter(), have
 
     def wanted() -> tuple[list[bool], int]:

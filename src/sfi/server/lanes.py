@@ -40,6 +40,8 @@ class Join:
         start, begin = self.prefilled, time.perf_counter()
         self.cache.prompt_continues = end < self.length
         logits = prefill(model, self.cache, self.ids[:, start:end], start=start)
+        if logits.device.type == "cuda":  # (the chunk's own time, not its kernels' launch)
+            torch.cuda.synchronize(logits.device)
         self.seconds_per_token = (time.perf_counter() - begin) / (end - start)
         self.prefilled = end
         return logits
