@@ -42,14 +42,24 @@ MODES: tuple[str, ...] = ("sfi", "full", "exact")
 
 
 # --- the pieces of every loop -------------------------------------------------------------------
+def chunk_end(start: int, length: int, tokens: int | None, window: int) -> int:
+    """Where a prompt's chunk that starts at ``start`` ends, at most ``tokens`` long (None: no
+    bound): at the prompt's end, or short of it by at least ``window`` tokens (the last chunk
+    holds the queries of SFI's first selection)."""
+    rest = length - start
+    if tokens is None or rest <= max(tokens, window):
+        return length
+    return start + min(tokens, rest - window)
+
+
 def prompt_chunks(length: int, chunk: int | None, window: int) -> list[int]:
     """Boundaries ``[0, ..., length]`` of a prompt's prefill chunks: at most ``chunk`` tokens
     each, except that the last has at least ``window`` tokens (the queries of SFI's first
-    selection), taken from the chunk before it."""
-    if not chunk or length <= chunk:
-        return [0, length]
-    last = min((length - 1) // chunk * chunk, length - window)
-    return [*range(0, last, chunk), last, length] if last > 0 else [0, length]
+    selection), taken from the chunk before it (:func:`chunk_end`)."""
+    bounds = [0]
+    while bounds[-1] < length:
+        bounds.append(chunk_end(bounds[-1], length, chunk or None, window))
+    return bounds if length else [0, 0]
 
 
 PREFILL_CHUNK = 512  # tokens per forward of a prefill that reports its progress

@@ -175,21 +175,24 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
     ids = {cell: benchmark_ids(tokenizer, *cell) for cell in cells}
     measured: dict[tuple[int, int], list[EngineRow]] = {cell: [] for cell in cells}
 
+    def record(cell: tuple[int, int], row: EngineRow) -> None:
+        measured[cell].append(row)
+        if on_row:
+            on_row(row)
+
     def time_mode(llm: Any, mode: str, cell: tuple[int, int]) -> None:
         say(f"context {cell[0]}, batch {cell[1]}: {mode}")
         times = time_decode(llm, ids[cell].tolist(), new_tokens, warmup)
         fast = None
         if mode == "vllm+sfi":  # decode steps only (the book counts prompt chunks too)
-            if backend.book() is None:
+            requests = backend.book()
+            if requests is None:
                 raise SFIError("vLLM + SFI ran no SFI step: the engine did not run sfi's "
                                "attention backend")
-            kept = [r.seq.stats for r in backend.book().requests.values()]
+            kept = [r.seq.stats for r in requests.requests.values()]
             fast = round(sum(s.fast_steps for s in kept)
                          / max(sum(s.decode_steps for s in kept), 1), 4)
-        row = vllm_row(mode, *cell, times, fast)
-        measured[cell].append(row)
-        if on_row:
-            on_row(row)
+        record(cell, vllm_row(mode, *cell, times, fast))
 
     engine = dict(max_model_len=longest, max_num_seqs=max(batches), kv_bytes=kv_bytes,
                   dtype=dtype, eager=eager, attention_backend=attention_backend)
@@ -223,18 +226,15 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
                                    kv="synthetic", new_tokens=new_tokens, warmup=warmup,
                                    bandwidth=bandwidth)
                 fast = 1.0 - row.slow_fraction if mode == "sfi" else None
-                cell.append(EngineRow(engine="sfi", mode=mode, context=context, batch=batch,
-                                      decode_tok_s=row.decode_tok_s, step_ms=row.step_ms,
-                                      steps=new_tokens, fast_fraction=fast))
-                if on_row:
-                    on_row(cell[-1])
+                record((context, batch), EngineRow(
+                    engine="sfi", mode=mode, context=context, batch=batch,
+                    decode_tok_s=row.decode_tok_s, step_ms=row.step_ms, steps=new_tokens,
+                    fast_fraction=fast))
             del prefix
         if gguf is not None and batch == 1:
             say(f"context {context}, batch 1: llama.cpp")
-            cell.append(llama_cpp_row(gguf, prompts[0].tolist(), new_tokens, warmup,
-                                      torch.get_num_threads()))
-            if on_row:
-                on_row(cell[-1])
+            record((context, batch), llama_cpp_row(gguf, prompts[0].tolist(), new_tokens,
+                                                   warmup, torch.get_num_threads()))
         base = {(r.engine, r.mode): r.decode_tok_s for r in cell}
         for r in cell:
             r.speedup_vs_vllm = round(r.decode_tok_s / base[("vllm", "vllm")], 3)

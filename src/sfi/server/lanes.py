@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sfi.cache import SlowFastCache
-from sfi.decode import prefill
+from sfi.decode import chunk_end, prefill
 from sfi.exact import ExactDecoder, RoundCounts, Sampling
 from sfi.server.requests import GenerationRequest
 
@@ -47,12 +47,9 @@ class Join:
         return logits
 
     def next_end(self, tokens: int | None) -> int:
-        """Where a next chunk of at most ``tokens`` (None: no bound) ends: the prompt's end,
-        or short of it by at least ``window`` tokens."""
-        rest = self.length - self.prefilled
-        if tokens is None or rest <= max(tokens, self.window):
-            return self.length
-        return self.prefilled + min(tokens, rest - self.window)
+        """Where a next chunk of at most ``tokens`` (None: no bound) ends
+        (:func:`sfi.decode.chunk_end`)."""
+        return chunk_end(self.prefilled, self.length, tokens, self.window)
 
 
 MIN_CHUNK = 16  # the fewest prompt tokens a chunk between two decode steps takes
