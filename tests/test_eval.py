@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_cli import run_cli, run_cli_here
 
+from sfi.config import SFIConfig
 from sfi.errors import SFIError
 from sfi.eval.report import markdown, merge_results, plot_all, summarize
 from sfi.eval.runner import greedy_continue, parse_runs, run_eval
@@ -254,7 +255,9 @@ def test_demo_answers_from_one_prefill_both_ways(default_model):
 
     model, tok = default_model
     prefilled = []
+    # (min_skip=0: a document this short would decode densely by default)
     result = run_demo(model, tok, context=1500, seed=0, answer_tokens=16,
+                      config=SFIConfig.from_preset("default", k_fraction=0.15, min_skip=0),
                       on_prefill=lambda done, total: prefilled.append((done, total)))
     assert result.hidden in result.sample.text and result.question in result.sample.text
     assert prefilled[-1] == (result.prefill_tokens, result.prefill_tokens)

@@ -30,7 +30,8 @@ from sfi.steps import token_distribution
 from sfi.texts import long_text
 
 # a small memory, so that drafts depart from full attention and are rejected
-DRAFTING = dict(sink=2, recent=8, k_head=24, page_size=4, coverage_layers=0,
+# (min_skip=0: these short prompts draft from S + K + R on)
+DRAFTING = dict(sink=2, recent=8, k_head=24, page_size=4, coverage_layers=0, min_skip=0,
                 draft_fallback=False, draft_tokens=4, draft_min=4, draft_max=4)
 
 
@@ -257,7 +258,7 @@ def test_sampled_tokens_are_distributed_as_full_attentions():
     v = 8
     model = tiny_model("llama", vocab_size=v, seed=1)
     prompt = torch.randint(0, v, (1, 40))
-    config = SFIConfig(sink=1, recent=2, k_head=3, page_size=1, coverage_layers=0,
+    config = SFIConfig(sink=1, recent=2, k_head=3, page_size=1, coverage_layers=0, min_skip=0,
                        trigger="fixed", period=50, draft_fallback=False,
                        draft_tokens=3, draft_min=3, draft_max=3)
     law = _full_law(model, prompt, v, temperature=0.7)

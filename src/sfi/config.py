@@ -68,9 +68,18 @@ class SFIConfig:
     """K as a fraction of the context (in (0, 1]); set ``k_head`` to None to use it."""
     evidence_window: int = 16
     """W: the prompt's last queries whose attention makes the first selection."""
+    min_skip: int = 1536
+    """Sparse decoding starts once a fast step would skip at least this many entries per KV
+    head (the context minus S + K + R); until then every step is dense. Below it a fast step's
+    own costs (the compact gather, the coverage probes, the bookkeeping) outweigh the reads it
+    saves: at batch 1 on this project's CPU, SmolLM2 with K = 2,048 and R = 256 decoded
+    0.78-0.91x full attention's speed at 2,560-3,584 tokens and 1.05x at 4,096. A decision per
+    sequence, from its context alone (never the batch or timings), so that a batched decode
+    equals each row decoded alone and a run repeats. 0: sparse as soon as S + K + R fit
+    (METHOD.md's rule, the paper preset)."""
     force_sparse: bool = False
-    """Keep slow/fast steps even when the context is shorter than S + K + R (dense
-    otherwise: there is nothing to save)."""
+    """Keep slow/fast steps even when the context is shorter than S + K + R + ``min_skip``
+    (dense otherwise)."""
     overlap_selection: bool = True
     """On CUDA, run the Selector and the compact rebuild on a side stream; a row whose rebuild
     is not ready reads densely. No effect on CPU."""
@@ -180,6 +189,7 @@ class SFIConfig:
         if self.k_fraction is not None:
             _require_float("k_fraction", self.k_fraction, 0.0, 1.0, low_open=True)
         _require_int("evidence_window", self.evidence_window, 1)
+        _require_int("min_skip", self.min_skip, 0)
         for name in ("force_sparse", "overlap_selection", "draft_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise SFIConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -238,12 +248,30 @@ class SFIConfig:
         return math.ceil(self.k_fraction * context)
 
     def sparse_pays(self, context: int) -> bool:
-        """Whether fast steps are on for a sequence of ``context`` real tokens.
+        """Whether fast steps are on for a sequence of ``context`` real tokens: the cost model.
 
-        While T < S + K + R there is nothing to save, so decoding stays dense, unless
-        ``force_sparse`` asks for the slow/fast machinery anyway (used by the equivalence tests).
+        A fast step must skip at least ``min_skip`` of the T entries per KV head (it reads
+        S + K + R); until then decoding stays dense, unless ``force_sparse`` asks for the
+        slow/fast machinery anyway (used by the equivalence tests).
         """
-        return self.force_sparse or context >= self.sink + self.budget(context) + self.recent
+        skipped = context - self.sink - self.budget(context) - self.recent
+        return self.force_sparse or skipped >= self.min_skip
+
+    def sparse_from(self, limit: int = 1 << 24) -> int | None:
+        """The shortest context (real tokens) at which sparse decoding starts, None if none up
+        to ``limit`` does (a fractional budget too large for ``min_skip``)."""
+        if self.force_sparse:
+            return 0
+        if self.k_head is not None:
+            return self.sink + self.k_head + self.recent + self.min_skip
+        low = self.sink + self.recent + self.min_skip
+        if not self.sparse_pays(limit):
+            return None
+        high = limit  # skipped entries grow with the context (by 1 - k_fraction per token)
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if self.sparse_pays(mid) else (mid + 1, high)
+        return low
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -275,7 +303,7 @@ PAPER_PRESET: dict[str, Any] = dict(
     pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
     nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
     exclusivity_min_heads=3, pool_kernel=1, page_size=1, pin_fraction=0.0, hysteresis=0.0,
-    dense_layers=0, coverage_layers=0,
+    dense_layers=0, coverage_layers=0, min_skip=0,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {

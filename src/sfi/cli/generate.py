@@ -33,7 +33,17 @@ def _summary(result) -> str:
     return (f"[dim]{result.mode}: {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
             f"prefill {t.prefill_s:.2f} s, decode {t.decode_tok_s:.1f} tok/s; steps slow "
             f"{s.slow_steps} / fast {s.fast_steps} / dense {s.dense_steps}; fast steps read "
-            f"{100 * s.fast_read_fraction:.1f}% of the context[/dim]")
+            f"{100 * s.fast_read_fraction:.1f}% of the context{_dense_why(result)}[/dim]")
+
+
+def _dense_why(result) -> str:
+    """Why an SFI decode had dense steps: its context was below the break-even of the cost
+    model (``SFIConfig.min_skip``)."""
+    if result.mode != "sfi" or not result.stats.dense_steps or result.config is None:
+        return ""
+    start = result.config.sparse_from()
+    where = f"below {start:,} tokens" if start is not None else "at every context"
+    return f"; dense {where}, where sparse reads would not pay (min_skip)"
 
 
 class _StreamPrinter:

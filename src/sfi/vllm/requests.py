@@ -10,7 +10,8 @@ step's decisions, so every rank decides the same.
 The decisions mirror :class:`sfi.planner.Planner` for one sequence without padding:
 - a prefill chunk (several query tokens) attends densely and records its last W queries, the
   evidence of the first selection;
-- a decode row whose context is shorter than S + K + R attends densely;
+- a decode row whose context is too short for sparse reads to pay (``SFIConfig.sparse_pays``)
+  attends densely;
 - the first decode row after a prompt long enough to select from **selects** from the prompt's
   last W queries (the geometry of the prompt's end, as the transformers path selects at the
   prefill) and then reads its new memory: a fast step;

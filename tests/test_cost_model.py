@@ -1,0 +1,87 @@
+"""The cost model: sparse decoding starts only where a fast step skips ``min_skip`` entries,
+decided per sequence from its own context, so a batch decides as its rows alone would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from helpers import lockstep
+
+from sfi import SFIConfig
+from sfi.config import SFIConfigError
+from sfi.decode import GenerateResult, Timing
+from sfi.stats import DecodeStats
+
+
+def test_sparse_reads_start_where_a_fast_step_skips_min_skip_entries():
+    config = SFIConfig(sink=4, recent=16, k_head=32, min_skip=40)
+    assert config.sparse_from() == 4 + 32 + 16 + 40
+    assert not config.sparse_pays(4 + 32 + 16 + 39)
+    assert config.sparse_pays(4 + 32 + 16 + 40)
+    forced = SFIConfig(sink=4, recent=16, k_head=32, min_skip=40, force_sparse=True)
+    assert forced.sparse_from() == 0
+    # METHOD.md's rule in the paper preset: sparse as soon as S + K + R fit
+    assert SFIConfig.paper().min_skip == 0
+    assert SFIConfig.paper(sink=4, recent=16, k_head=32).sparse_from() == 52
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.15, 0.5, 0.9])
+@pytest.mark.parametrize("min_skip", [0, 100, 1536])
+def test_the_break_even_of_a_fractional_budget_is_the_first_context_that_pays(fraction,
+                                                                                min_skip):
+    config = SFIConfig(k_head=None, k_fraction=fraction, min_skip=min_skip)
+    first = next(t for t in range(1, 200_000) if config.sparse_pays(t))
+    assert config.sparse_from() == first
+    assert all(config.sparse_pays(t) for t in range(first, first + 300))
+
+
+def test_a_budget_that_never_pays_has_no_break_even():
+    assert SFIConfig(k_head=None, k_fraction=1.0, min_skip=1).sparse_from() is None
+
+
+def test_a_negative_min_skip_is_refused():
+    with pytest.raises(SFIConfigError, match="min_skip"):
+        SFIConfig(min_skip=-1)
+
+
+def test_each_row_turns_sparse_at_its_own_break_even_in_a_batch_as_alone():
+    model = tiny_model("llama")
+    config = SFIConfig.paper(sink=2, recent=8, k_head=8, min_skip=12, evidence_window=4,
+                             trigger="fixed", period=50)
+    start = config.sparse_from()  # 30 real tokens
+    g = torch.Generator().manual_seed(3)
+    long, short = torch.randint(1, 256, (1, 24), generator=g), torch.randint(1, 256, (1, 20),
+                                                                               generator=g)
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    mask = torch.zeros(2, 24, dtype=torch.long)
+    ids[0], mask[0] = long[0], 1
+    ids[1, 4:], mask[1, 4:] = short[0], 1
+    steps = 14
+    batch = lockstep(model, ids, config, steps=steps, attention_mask=mask)
+    alone = [lockstep(model, seq, config, steps=steps) for seq in (long, short)]
+    for row, prompt in enumerate((24, 20)):
+        # decode step i (1-based) runs at a context of prompt + i real tokens
+        kinds = [step[row] for step in batch.kinds[1:]]
+        assert kinds == [step[0] for step in alone[row].kinds[1:]]
+        dense = [k == "dense" for k in kinds]
+        assert dense == [prompt + i < start for i in range(1, steps + 1)], kinds
+        assert kinds[start - prompt - 1] == "slow"  # the first selection, where it pays
+        assert "fast" in kinds[start - prompt:]
+    # while dense, the batch reads everything: full attention's logits
+    for step in range(1, start - 24):
+        assert torch.allclose(batch.sfi_logits[step], batch.full_logits[step], atol=1e-5)
+
+
+def test_generate_says_why_its_steps_were_dense():
+    from sfi.cli.generate import _summary
+
+    config = SFIConfig(sink=4, recent=16, k_head=32)
+    result = GenerateResult(text="", token_ids=[1, 2], prompt_tokens=40,
+                            stats=DecodeStats(dense_steps=2), timing=Timing(),
+                            finish_reason="length", mode="sfi", config=config)
+    assert "dense below 1,588 tokens" in _summary(result)
+    fast = GenerateResult(text="", token_ids=[1], prompt_tokens=4000,
+                          stats=DecodeStats(fast_steps=1), timing=Timing(),
+                          finish_reason="length", mode="sfi", config=config)
+    assert "min_skip" not in _summary(fast)
