@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_model
 from test_cli import run_cli, run_cli_here
 
 from sfi.config import SFIConfig
@@ -112,6 +113,12 @@ def test_method_names_and_budgets():
     assert budget_tokens(0.15, 4096) == 615 and budget_tokens(1024, 4096) == 1024
     config = sfi_config_for(615)
     assert (config.sink, config.recent, config.k_head) == (4, 256, 355)
+    assert config.min_skip == 0  # held to its budget at every context, as the baselines are
+    model = tiny_model("llama")
+    named = build_cache(model, None, "sfi[trigger=fixed,min_skip=64]", budget=0.5, context=100)
+    assert named.config.min_skip == 64 and named.config.k_head == 50 - 4 - 25
+    assert build_cache(model, None, "sfi", budget=0.5, context=100,
+                       overrides={"trigger": "fixed"}).config.min_skip == 0
     assert sfi_config_for(100).recent == 50
     for bad, message in ((["sfi+pyramidkv"], "own budget"), (["lru"], "unknown method"),
                          (["snapkv@half"], "must be a number")):

@@ -259,7 +259,8 @@ class SFIConfig:
 
     def sparse_from(self, limit: int = 1 << 24) -> int | None:
         """The shortest context (real tokens) at which sparse decoding starts, None if none up
-        to ``limit`` does (a fractional budget too large for ``min_skip``)."""
+        to ``limit`` does (a fractional budget too large for ``min_skip``; a fixed K always
+        has one)."""
         if self.force_sparse:
             return 0
         if self.k_head is not None:

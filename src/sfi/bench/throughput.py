@@ -244,6 +244,7 @@ def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIC
 def _floor_ms(model: torch.nn.Module, config: SFIConfig, context: int, batch: int,
               bandwidth: float, sparse: bool) -> float:
     """The bytes a step must read (weights + the KV entries it attends) over ``bandwidth``."""
+    sparse = sparse and config.sparse_pays(context)  # below the break-even its steps are dense
     entries = config.sink + config.budget(context) + config.recent if sparse else context
     floor = weight_bytes(model) + kv_bytes_per_entry(model) * min(entries, context) * batch
     return round(floor / bandwidth / 1e6, 3)

@@ -37,13 +37,15 @@ def _summary(result) -> str:
 
 
 def _dense_why(result) -> str:
-    """Why an SFI decode had dense steps: its context was below the break-even of the cost
-    model (``SFIConfig.min_skip``)."""
+    """Why an SFI decode had dense steps: its context was below S + K + R, or below the
+    break-even of the cost model (``SFIConfig.min_skip``)."""
     if result.mode != "sfi" or not result.stats.dense_steps or result.config is None:
         return ""
     start = result.config.sparse_from()
     where = f"below {start:,} tokens" if start is not None else "at every context"
-    return f"; dense {where}, where sparse reads would not pay (min_skip)"
+    why = "sparse reads would not pay (min_skip)" if result.config.min_skip else \
+        "S + K + R covers the context"
+    return f"; dense {where}, where {why}"
 
 
 class _StreamPrinter:
