@@ -243,3 +243,29 @@ def test_load_with_bf16_weights_packs_every_linear_layer_in_bf16():
     assert {m.format for m in packed} == {"bf16"}
     assert {m.packed_weight.dtype for m in packed} == {torch.bfloat16}
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the rest stays native
+
+
+def test_the_engine_plot_has_a_line_per_engine_and_mode_in_each_batch(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from sfi.bench.plots import plot_engines
+
+    series = [("vllm", "vllm"), ("vllm", "vllm+sfi"), ("sfi", "full"), ("sfi", "sfi"),
+              ("sfi", "sfi-fast-only"), ("llama.cpp", "full")]
+    rows = [{"engine": e, "mode": m, "context": c, "batch": b, "decode_tok_s": 1.0 + c / 1e4}
+            for e, m in series for c in (4096, 8192) for b in (1, 4)
+            if e != "llama.cpp" or b == 1]
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        drawn.extend([line.get_label() for line in ax.lines] for ax in fig.axes)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    plot_engines({"rows": rows, "device": "cpu"}, str(tmp_path / "engines.png"))
+    assert (tmp_path / "engines.png").stat().st_size > 0
+    assert drawn == [["vllm", "vllm+sfi", "sfi engine, full", "sfi engine, sfi",
+                      "sfi engine, sfi-fast-only", "llama.cpp"],
+                     ["vllm", "vllm+sfi", "sfi engine, full", "sfi engine, sfi",
+                      "sfi engine, sfi-fast-only"]]

@@ -46,6 +46,34 @@ def plot_throughput(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def plot_engines(result: dict[str, Any], path: str) -> None:
+    """``sfi bench-vllm --plot``: tokens/s against context for each engine and mode (stock
+    vLLM, vLLM + SFI, sfi's engine with full attention, SFI and SFI's fast step alone,
+    llama.cpp), one panel per batch size (log-scale x)."""
+    plt = _pyplot()
+    rows = result["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    series = list(dict.fromkeys((r["engine"], r["mode"]) for r in rows))
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for engine, mode in series:
+            points = sorted((r["context"], r["decode_tok_s"]) for r in rows
+                            if (r["engine"], r["mode"]) == (engine, mode) and r["batch"] == batch)
+            if points:
+                label = {"vllm": mode, "llama.cpp": "llama.cpp"}.get(engine,
+                                                                       f"sfi engine, {mode}")
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"batch {batch}, {result.get('device', '')}".rstrip(", "))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def exact_points(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point per ``sfi-exact`` row of ``sfi bench`` results: its cell, the cell's measured
     fast/dense ratio (the ``sfi`` row's fast step over the ``full`` row's step), its speed-up

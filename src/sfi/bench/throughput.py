@@ -57,6 +57,7 @@ class BenchRow:
     dense_step_ms: float | None
     slow_fraction: float
     fast_read_fraction: float | None
+    fast_fraction: float
     floor_ms: float
     speedup_vs_full: float | None = None
     speedup_vs_full_static: float | None = None
@@ -238,6 +239,7 @@ def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIC
         dense_step_ms=_median_ms(steps, "dense"),
         slow_fraction=round(sum(k == "slow" for _, k in steps) / len(steps), 4),
         fast_read_fraction=round(read, 4) if read is not None else None,
+        fast_fraction=round(sum(k == "fast" for _, k in steps) / len(steps), 4),
         floor_ms=_floor_ms(model, config, context, batch, bandwidth, sparse))
 
 
@@ -262,7 +264,7 @@ def _exact_row(model: torch.nn.Module, cache: DecodeCache, config: SFIConfig,
         mode="sfi-exact", context=start + tail.shape[1], batch=batch, kv=kv,
         new_tokens=new_tokens, decode_tok_s=round(batch * new_tokens / seconds, 3),
         step_ms=round(1000 * seconds / new_tokens, 3), fast_step_ms=None, slow_step_ms=None,
-        dense_step_ms=None, slow_fraction=0.0, fast_read_fraction=None,
+        dense_step_ms=None, slow_fraction=0.0, fast_read_fraction=None, fast_fraction=0.0,
         floor_ms=_floor_ms(model, config, start + tail.shape[1], batch, bandwidth, False),
         acceptance=round(stats.acceptance_rate, 4),
         tokens_per_verify=round(stats.tokens_per_verify, 3),

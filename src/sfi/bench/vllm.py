@@ -14,6 +14,7 @@ the same token ids at batch 1 when it is installed.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -35,6 +36,7 @@ from sfi.errors import SFIError
 from sfi.prefix import prefix_kv
 
 VLLM_MODES = ("vllm", "vllm+sfi")
+OWN_MODES = ("full", "sfi", "sfi-fast-only")  # sfi's engine beside them (synthetic KV)
 
 
 @dataclass
@@ -170,7 +172,10 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
 
     element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     per_position = kv_bytes_per_entry(AutoConfig.from_pretrained(str(path)), element)
-    kv_bytes = int(per_position * longest * max(batches) * 1.25)
+    # whole blocks of up to 512 positions and one more per sequence (vLLM's block sizes): a
+    # short context's pool would otherwise be refused as too small for max_model_len
+    positions = (math.ceil(longest / 512) + 1) * 512
+    kv_bytes = int(per_position * positions * max(batches) * 1.25)
     cells = [(context, batch) for context in contexts for batch in batches]
     ids = {cell: benchmark_ids(tokenizer, *cell) for cell in cells}
     measured: dict[tuple[int, int], list[EngineRow]] = {cell: [] for cell in cells}
@@ -220,12 +225,12 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
         prompts = ids[(context, batch)]
         if own_engine:
             prefix = prefix_kv(model, prompts[:, :-config.evidence_window], True)
-            for mode in ("full", "sfi"):
+            for mode in OWN_MODES:
                 say(f"context {context}, batch {batch}: sfi engine, {mode}")
                 row = measure_cell(model, tokenizer, mode, config, prompts, prefix,
                                    kv="synthetic", new_tokens=new_tokens, warmup=warmup,
                                    bandwidth=bandwidth)
-                fast = 1.0 - row.slow_fraction if mode == "sfi" else None
+                fast = row.fast_fraction if mode != "full" else None
                 record((context, batch), EngineRow(
                     engine="sfi", mode=mode, context=context, batch=batch,
                     decode_tok_s=row.decode_tok_s, step_ms=row.step_ms, steps=new_tokens,

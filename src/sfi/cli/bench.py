@@ -123,6 +123,8 @@ def bench_vllm_cmd(
         help="vLLM's attention backend (sfi wraps CPU_ATTN, FLASH_ATTN, TRITON_ATTN)")] = None,
     log_rows: Annotated[Path | None, typer.Option(
         help="append each row to this file as a JSON line as soon as it is measured")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="write a plot of tokens/s against context for each engine and mode")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Decode throughput of stock vLLM and vLLM + SFI, beside sfi's own engine and llama.cpp.
@@ -178,6 +180,10 @@ def bench_vllm_cmd(
                             own_engine=own_engine, gguf=gguf, dtype=dtype, eager=eager,
                             attention_backend=attention_backend, progress=say, on_row=log)
     result["model"] = model
+    if plot is not None:
+        from sfi.bench.plots import plot_engines
+
+        plot_engines(result, str(plot))
     if as_json:
         print(json.dumps(result))
         return
