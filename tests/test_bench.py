@@ -27,7 +27,7 @@ from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
 from sfi.layout import PackedLinear, prefer_decode_layout
 
 ROW_FIELDS = {"mode", "context", "batch", "decode_tok_s", "fast_step_ms", "slow_step_ms",
-              "slow_fraction", "speedup_vs_full", "floor_ms"}
+              "slow_fraction", "fast_fraction", "speedup_vs_full", "floor_ms"}
 
 
 def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
@@ -55,6 +55,8 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
             assert row["tokens_per_verify"] >= 1 or row["exact_dense_steps"] > 0
         elif row["mode"].startswith("sfi"):
             assert row["fast_step_ms"] is not None
+            if row["mode"] == "sfi-fast-only":  # every row's every decode step
+                assert row["fast_fraction"] == 1.0
         else:
             assert row["fast_step_ms"] is None and row["slow_fraction"] == 0
         if row["mode"] == "full":

@@ -57,7 +57,7 @@ class BenchRow:
     dense_step_ms: float | None
     slow_fraction: float
     fast_read_fraction: float | None
-    fast_fraction: float
+    fast_fraction: float | None  # the rows' decode steps that were fast (warmup included)
     floor_ms: float
     speedup_vs_full: float | None = None
     speedup_vs_full_static: float | None = None
@@ -228,7 +228,10 @@ def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIC
     if tokens is not None:
         tokens[mode] = torch.stack(made, 1)
     sparse = mode.startswith("sfi")
-    read = cache.stats().fast_read_fraction if sparse else None
+    stats = cache.stats() if sparse else None
+    read = stats.fast_read_fraction if stats else None
+    fast = round(stats.fast_steps / stats.decode_steps, 4) if stats and stats.decode_steps \
+        else None
     total = sum(t for t, _ in steps)
     return BenchRow(
         mode=mode, context=context, batch=batch, kv=kv, new_tokens=new_tokens,
@@ -239,7 +242,7 @@ def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIC
         dense_step_ms=_median_ms(steps, "dense"),
         slow_fraction=round(sum(k == "slow" for _, k in steps) / len(steps), 4),
         fast_read_fraction=round(read, 4) if read is not None else None,
-        fast_fraction=round(sum(k == "fast" for _, k in steps) / len(steps), 4),
+        fast_fraction=fast,
         floor_ms=_floor_ms(model, config, context, batch, bandwidth, sparse))
 
 
@@ -264,7 +267,7 @@ def _exact_row(model: torch.nn.Module, cache: DecodeCache, config: SFIConfig,
         mode="sfi-exact", context=start + tail.shape[1], batch=batch, kv=kv,
         new_tokens=new_tokens, decode_tok_s=round(batch * new_tokens / seconds, 3),
         step_ms=round(1000 * seconds / new_tokens, 3), fast_step_ms=None, slow_step_ms=None,
-        dense_step_ms=None, slow_fraction=0.0, fast_read_fraction=None, fast_fraction=0.0,
+        dense_step_ms=None, slow_fraction=0.0, fast_read_fraction=None, fast_fraction=None,
         floor_ms=_floor_ms(model, config, start + tail.shape[1], batch, bandwidth, False),
         acceptance=round(stats.acceptance_rate, 4),
         tokens_per_verify=round(stats.tokens_per_verify, 3),

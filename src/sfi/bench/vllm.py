@@ -7,9 +7,9 @@ in one started with SFI on (:func:`run_vllm_bench`).
 For each (context, batch) every mode prefills the same essay prompts, then the steps in which
 every row decodes are timed (``LLMEngine.step``: scheduling, forward, sampling), after
 ``warmup`` untimed ones. sfi's own engine (transformers, :func:`sfi.bench.throughput.measure_cell`)
-runs full attention and SFI with the same configuration on the same token ids; llama.cpp
-(``llama-cpp-python`` on the model's GGUF, its own quantization, full KV, the same threads) runs
-the same token ids at batch 1 when it is installed.
+runs full attention, SFI and SFI's fast step alone with the same configuration on the same
+token ids; llama.cpp (``llama-cpp-python`` on the model's GGUF, its own quantization, full
+KV, the same threads) runs the same token ids at batch 1 when it is installed.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
                    progress: Callable[[str], None] | None = None,
                    on_row: Callable[[EngineRow], None] | None = None) -> dict[str, Any]:
     """Every (context, batch) on stock vLLM, vLLM + SFI and (``own_engine``: ``model`` is the
-    transformers model) sfi's own full and SFI modes, and llama.cpp on ``gguf`` at batch 1;
+    transformers model) sfi's own full, SFI and SFI fast-only modes, and llama.cpp on ``gguf``
+    at batch 1;
     returns ``{"rows": [...], ...}`` with ratios within each cell. ``dtype``, ``eager`` and
     ``attention_backend`` are vLLM's (bfloat16, not eager, on GPUs). ``on_row`` is handed each
     row as soon as it is measured.

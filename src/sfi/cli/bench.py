@@ -111,8 +111,8 @@ def bench_vllm_cmd(
         "4096,8192,16384",
     batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
     new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
-    own_engine: Annotated[bool, typer.Option(help="also time sfi's own engine (full and SFI, "
-                                             "synthetic KV) in the same run")] = True,
+    own_engine: Annotated[bool, typer.Option(help="also time sfi's own engine (full, SFI, SFI "
+                                             "fast-only; synthetic KV) in one run")] = True,
     llama_cpp: Annotated[bool | None, typer.Option(
         "--llama-cpp/--no-llama-cpp", help="also time llama.cpp on the model's GGUF at batch 1 "
         "(default: when llama-cpp-python is installed)")] = None,
