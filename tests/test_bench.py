@@ -55,8 +55,8 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
             assert row["tokens_per_verify"] >= 1 or row["exact_dense_steps"] > 0
         elif row["mode"].startswith("sfi"):
             assert row["fast_step_ms"] is not None
-            if row["mode"] == "sfi-fast-only":  # every row's every decode step
-                assert row["fast_fraction"] == 1.0
+            if row["mode"] == "sfi-fast-only":  # every row's every decode step, no probe
+                assert row["fast_fraction"] == 1.0 and row["coverage_rate"] == 0.0
         else:
             assert row["fast_step_ms"] is None and row["slow_fraction"] == 0
         if row["mode"] == "full":
@@ -271,3 +271,13 @@ def test_the_engine_plot_has_a_line_per_engine_and_mode_in_each_batch(tmp_path, 
                       "sfi engine, sfi-fast-only", "llama.cpp"],
                      ["vllm", "vllm+sfi", "sfi engine, full", "sfi engine, sfi",
                       "sfi engine, sfi-fast-only"]]
+
+
+def test_step_rates_count_the_rows_decode_steps():
+    from sfi.bench.throughput import step_rates
+    from sfi.stats import DecodeStats
+
+    stats = DecodeStats(fast_steps=5, slow_steps=2, dense_steps=1)
+    stats.refresh_reasons.update(coverage=1, sentence=1)
+    assert step_rates(stats) == (0.625, 0.125)
+    assert step_rates(DecodeStats()) == (None, None) and step_rates(None) == (None, None)

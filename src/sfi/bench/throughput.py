@@ -37,6 +37,8 @@ from sfi.hf import context_length, text_config
 from sfi.layout import PackedLinear
 from sfi.methods import build_cache
 from sfi.prefix import prefix_kv
+from sfi.stats import DecodeStats
+from sfi.triggers import COVERAGE
 
 MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only", "sfi-exact")
 
@@ -58,6 +60,7 @@ class BenchRow:
     slow_fraction: float
     fast_read_fraction: float | None
     fast_fraction: float | None  # the rows' decode steps that were fast (warmup included)
+    coverage_rate: float | None  # refreshes the coverage probes caused, per decode step
     floor_ms: float
     speedup_vs_full: float | None = None
     speedup_vs_full_static: float | None = None
@@ -230,8 +233,7 @@ def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIC
     sparse = mode.startswith("sfi")
     stats = cache.stats() if sparse else None
     read = stats.fast_read_fraction if stats else None
-    fast = round(stats.fast_steps / stats.decode_steps, 4) if stats and stats.decode_steps \
-        else None
+    fast, coverage = step_rates(stats)
     total = sum(t for t, _ in steps)
     return BenchRow(
         mode=mode, context=context, batch=batch, kv=kv, new_tokens=new_tokens,
@@ -242,8 +244,18 @@ def measure_cell(model: torch.nn.Module, tokenizer: Any, mode: str, config: SFIC
         dense_step_ms=_median_ms(steps, "dense"),
         slow_fraction=round(sum(k == "slow" for _, k in steps) / len(steps), 4),
         fast_read_fraction=round(read, 4) if read is not None else None,
-        fast_fraction=fast,
+        fast_fraction=fast, coverage_rate=coverage,
         floor_ms=_floor_ms(model, config, context, batch, bandwidth, sparse))
+
+
+def step_rates(stats: DecodeStats | None) -> tuple[float | None, float | None]:
+    """Of the rows' decode steps: the fraction that were fast, and the coverage refreshes
+    (the probes' misses that refreshed) per step."""
+    if stats is None or not stats.decode_steps:
+        return None, None
+    steps = stats.decode_steps
+    return (round(stats.fast_steps / steps, 4),
+            round(stats.refresh_reasons.get(COVERAGE, 0) / steps, 4))
 
 
 def _floor_ms(model: torch.nn.Module, config: SFIConfig, context: int, batch: int,
@@ -268,6 +280,7 @@ def _exact_row(model: torch.nn.Module, cache: DecodeCache, config: SFIConfig,
         new_tokens=new_tokens, decode_tok_s=round(batch * new_tokens / seconds, 3),
         step_ms=round(1000 * seconds / new_tokens, 3), fast_step_ms=None, slow_step_ms=None,
         dense_step_ms=None, slow_fraction=0.0, fast_read_fraction=None, fast_fraction=None,
+        coverage_rate=None,
         floor_ms=_floor_ms(model, config, start + tail.shape[1], batch, bandwidth, False),
         acceptance=round(stats.acceptance_rate, 4),
         tokens_per_verify=round(stats.tokens_per_verify, 3),

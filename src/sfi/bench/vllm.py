@@ -30,10 +30,12 @@ from sfi.bench.throughput import (
     kv_bytes_per_entry,
     measure_bandwidth,
     measure_cell,
+    step_rates,
 )
 from sfi.config import SFIConfig
 from sfi.errors import SFIError
 from sfi.prefix import prefix_kv
+from sfi.stats import DecodeStats
 
 VLLM_MODES = ("vllm", "vllm+sfi")
 OWN_MODES = ("full", "sfi", "sfi-fast-only")  # sfi's engine beside them (synthetic KV)
@@ -53,6 +55,7 @@ class EngineRow:
     fast_fraction: float | None
     speedup_vs_own_full: float | None = None
     speedup_vs_vllm: float | None = None
+    coverage_rate: float | None = None  # coverage refreshes per decode step (SFI rows)
 
 
 def make_engine(path: str | Path, max_model_len: int, max_num_seqs: int, kv_bytes: int,
@@ -140,11 +143,11 @@ def llama_cpp_row(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: 
 
 
 def vllm_row(mode: str, context: int, batch: int, times: list[float],
-             fast_fraction: float | None) -> EngineRow:
+             fast_fraction: float | None, coverage_rate: float | None = None) -> EngineRow:
     return EngineRow(engine="vllm", mode=mode, context=context, batch=batch,
                      decode_tok_s=round(batch * len(times) / sum(times), 3),
                      step_ms=round(1000 * statistics.median(times), 3), steps=len(times),
-                     fast_fraction=fast_fraction)
+                     fast_fraction=fast_fraction, coverage_rate=coverage_rate)
 
 
 def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Sequence[int],
@@ -189,16 +192,15 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
     def time_mode(llm: Any, mode: str, cell: tuple[int, int]) -> None:
         say(f"context {cell[0]}, batch {cell[1]}: {mode}")
         times = time_decode(llm, ids[cell].tolist(), new_tokens, warmup)
-        fast = None
+        rates = (None, None)
         if mode == "vllm+sfi":  # decode steps only (the book counts prompt chunks too)
             requests = backend.book()
             if requests is None:
                 raise SFIError("vLLM + SFI ran no SFI step: the engine did not run sfi's "
                                "attention backend")
-            kept = [r.seq.stats for r in requests.requests.values()]
-            fast = round(sum(s.fast_steps for s in kept)
-                         / max(sum(s.decode_steps for s in kept), 1), 4)
-        record(cell, vllm_row(mode, *cell, times, fast))
+            rates = step_rates(DecodeStats.merge([r.seq.stats
+                                                  for r in requests.requests.values()]))
+        record(cell, vllm_row(mode, *cell, times, *rates))
 
     engine = dict(max_model_len=longest, max_num_seqs=max(batches), kv_bytes=kv_bytes,
                   dtype=dtype, eager=eager, attention_backend=attention_backend)
@@ -231,11 +233,10 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
                 row = measure_cell(model, tokenizer, mode, config, prompts, prefix,
                                    kv="synthetic", new_tokens=new_tokens, warmup=warmup,
                                    bandwidth=bandwidth)
-                fast = row.fast_fraction if mode != "full" else None
                 record((context, batch), EngineRow(
                     engine="sfi", mode=mode, context=context, batch=batch,
                     decode_tok_s=row.decode_tok_s, step_ms=row.step_ms, steps=new_tokens,
-                    fast_fraction=fast))
+                    fast_fraction=row.fast_fraction, coverage_rate=row.coverage_rate))
             del prefix
         if gguf is not None and batch == 1:
             say(f"context {context}, batch 1: llama.cpp")

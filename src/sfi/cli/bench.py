@@ -23,6 +23,7 @@ from sfi.layout import WEIGHT_FORMATS
 BENCH_COLUMNS = {"mode": "mode", "context": "context", "batch": "B", "kv": "KV",
                  "decode_tok_s": "tok/s", "fast_step_ms": "fast ms", "slow_step_ms": "slow ms",
                  "dense_step_ms": "dense ms", "slow_fraction": "slow frac",
+                 "coverage_rate": "probe refr/step",
                  "floor_ms": "floor ms", "speedup_vs_full": "x full",
                  "speedup_vs_full_static": "x static"}
 EXACT_COLUMNS = {"acceptance": "accepted", "tokens_per_verify": "tok/verify",
@@ -98,7 +99,8 @@ def bench_cmd(
 
 VLLM_BENCH_COLUMNS = {"engine": "engine", "mode": "mode", "context": "context", "batch": "B",
                       "decode_tok_s": "tok/s", "step_ms": "step ms",
-                      "fast_fraction": "fast frac", "speedup_vs_own_full": "x own full",
+                      "fast_fraction": "fast frac", "coverage_rate": "probe refr/step",
+                      "speedup_vs_own_full": "x own full",
                       "speedup_vs_vllm": "x vLLM"}
 
 
