@@ -259,16 +259,13 @@ class SFIConfig:
 
     def sparse_from(self, limit: int = 1 << 24) -> int | None:
         """The shortest context (real tokens) at which sparse decoding starts, None if none up
-        to ``limit`` does (a fractional budget too large for ``min_skip``; a fixed K always
-        has one)."""
+        to ``limit`` does (a fractional budget too large for ``min_skip``). Bisection over
+        :meth:`sparse_pays`: the entries a fast step skips never fall as the context grows."""
         if self.force_sparse:
             return 0
-        if self.k_head is not None:
-            return self.sink + self.k_head + self.recent + self.min_skip
-        low = self.sink + self.recent + self.min_skip
         if not self.sparse_pays(limit):
             return None
-        high = limit  # skipped entries grow with the context (by 1 - k_fraction per token)
+        low, high = self.sink + self.recent + self.min_skip, limit
         while low < high:
             mid = (low + high) // 2
             low, high = (low, mid) if self.sparse_pays(mid) else (mid + 1, high)

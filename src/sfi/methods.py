@@ -39,16 +39,17 @@ def budget_tokens(budget: float, context: int) -> int:
     return int(budget)
 
 
-def sfi_config_for(capacity: int, base: SFIConfig | None = None) -> SFIConfig:
+def sfi_config_for(capacity: int, base: SFIConfig | None = None, min_skip: int = 0
+                   ) -> SFIConfig:
     """SFI's knobs for a budget of ``capacity`` tokens per KV head: the base's S sinks,
     R = min(base R, C / 2) recent, K = C - S - R selected (K = 0 when C leaves no room), and
-    ``min_skip=0``: a comparison holds SFI to its budget at every context, as it holds the
-    baselines (the cost model's dense steps below the break-even would read the whole
+    ``min_skip`` (0: a comparison holds SFI to its budget at every context, as it holds the
+    baselines; the cost model's dense steps below the break-even would read the whole
     context under the budget's name)."""
     base = base or SFIConfig()
     recent = max(1, min(base.recent, capacity // 2))
     k = max(0, capacity - base.sink - recent)
-    return replace(base, recent=recent, k_head=k, k_fraction=None, min_skip=0)
+    return replace(base, recent=recent, k_head=k, k_fraction=None, min_skip=min_skip)
 
 
 @dataclass(frozen=True)
@@ -153,10 +154,8 @@ def build_cache(model: torch.nn.Module, tokenizer: Any, method: str | Method, *,
         return EvictionCache(model, make_policy(method.scorer, limit))
     sfi_config = method.sfi_config(config, overrides)
     if limit is not None:
-        named = {**(overrides or {}), **dict(method.fields)}
-        sfi_config = sfi_config_for(limit, sfi_config)
-        if "min_skip" in named:  # a break-even the caller asked for is kept
-            sfi_config = replace(sfi_config, min_skip=named["min_skip"])
+        named = {**(overrides or {}), **dict(method.fields)}  # a break-even asked for is kept
+        sfi_config = sfi_config_for(limit, sfi_config, named.get("min_skip", 0))
     if scorer is None and method.scorer != "sfi":
         scorer = make_scorer(method.scorer, sfi_config)
     return SlowFastCache(model, sfi_config, tokenizer=tokenizer, scorer=scorer,
