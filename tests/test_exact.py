@@ -142,7 +142,7 @@ def test_draft_length_drafts_where_it_pays_and_falls_back_where_not():
     length.record_dense(0.100)
     gamma = length.choose(100)
     assert gamma == SFIConfig().draft_tokens
-    length.record_round(gamma, gamma, draft_s=gamma * 0.020, verify_s=0.110)  # cheap drafts
+    length.record_round(gamma, [gamma], draft_s=gamma * 0.020, verify_s=0.110)  # cheap drafts
     assert length.choose(100) > 0
     assert length.choose(3) <= 2  # never past the tokens still wanted
     slow = DraftLength(SFIConfig())
@@ -150,7 +150,7 @@ def test_draft_length_drafts_where_it_pays_and_falls_back_where_not():
     gamma = slow.choose(100)
     for _ in range(slow.judged_after):  # drafts that cost a dense step each
         assert gamma > 0
-        slow.record_round(gamma, 0, draft_s=gamma * 0.090, verify_s=0.150)
+        slow.record_round(gamma, [0, 0], draft_s=gamma * 0.090, verify_s=0.150)
         gamma = slow.choose(100)
     assert gamma == 0 and slow.dense_left == 16
     assert expected_tokens(3, 0.5) == pytest.approx(1.875)
@@ -219,13 +219,15 @@ def test_the_cache_holds_full_attentions_kv_after_every_verify(tiny_llama_with_t
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = prefill(model, cache, ids, attention_mask=mask, positions=positions)
         decoder = ExactDecoder(model, cache)
-        token, position, fed = logits.argmax(-1), positions[:, -1], [ids]
+        token, position, fed, ragged = logits.argmax(-1), positions[:, -1], [ids], 0
         for _ in range(8):
             emitted = decoder.advance(token, position, mask, [True, True], room=64)
-            fed.append(torch.cat([token[:, None], emitted[:, :-1]], 1))
-            mask = torch.cat([mask, mask.new_ones(2, emitted.shape[1])], 1)
-            position = position + emitted.shape[1]
-            token = emitted[:, -1]
+            # each row's inputs fill the round's first slots; the rest are its holes
+            fed.append(torch.cat([token[:, None], emitted.tokens[:, :-1]], 1))
+            mask = torch.cat([mask, emitted.slots()], 1)
+            ragged += int(emitted.counts.min() < emitted.tokens.shape[1])
+            position = position + emitted.counts
+            token = emitted.last
         everything = torch.cat(fed, 1)
         reference = DynamicCache(config=model.config)
         model(input_ids=everything, attention_mask=mask,
@@ -234,9 +236,15 @@ def test_the_cache_holds_full_attentions_kv_after_every_verify(tiny_llama_with_t
     stats = cache.stats()
     assert stats.verify_steps == 2 * 8 and 0 < stats.accepted < stats.drafted
     assert cache.get_seq_length() == everything.shape[1]
+    assert ragged > 0  # the rows committed different numbers of tokens in some round
+    assert [cache.holes(r) for r in range(2)] == [
+        [int(s) for s in (mask[r] == 0).nonzero()[:, 0] if s >= cache.padding(r)]
+        for r in range(2)]
     real = mask.bool()[:, None, :, None]  # padding positions hold whatever was written
     for layer, (keys, values) in zip(cache.layers, _reference_kv(reference)):
         assert not torch.isnan(layer.keys).any() and not torch.isnan(layer.values).any()
+        for r in range(2):  # a hole keeps nothing of the draft it held
+            assert not layer.keys[r, :, cache.holes(r)].any()
         torch.testing.assert_close(layer.keys * real, keys * real, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(layer.values * real, values * real, atol=1e-4, rtol=1e-4)
     for row in range(2):  # the memories the verifies laid out lie in the middle region
@@ -251,7 +259,7 @@ def _reference_kv(cache: DynamicCache):
 
 
 def test_sampled_tokens_are_distributed_as_full_attentions():
-    """20,000 rows of one prompt in one batch (the batch commits its rows' common prefix):
+    """20,000 rows of one prompt in one batch (each row commits its own accepted drafts):
     the first three sampled tokens follow full attention's law, where the drafter's own law
     (lossy SFI) does not."""
     torch.manual_seed(0)
@@ -273,12 +281,13 @@ def test_sampled_tokens_are_distributed_as_full_attentions():
         gen = torch.Generator().manual_seed(0)
         first = torch.multinomial(token_distribution(logits, 0.7, 1.0), 1, generator=gen)[:, 0]
         decoder = ExactDecoder(model, cache, Sampling(0.7, 1.0, gen))
-        drawn, token, position = [first[:, None]], first, torch.full((n,), 39)
-        while sum(t.shape[1] for t in drawn) < 3:
-            emitted = decoder.advance(token, position, None, [True] * n, room=8)
-            drawn.append(emitted)
-            position, token = position + emitted.shape[1], emitted[:, -1]
-    drawn = torch.cat(drawn, 1)[:, :3]
+        rows, token, position = [[t] for t in first.tolist()], first, torch.full((n,), 39)
+        while min(len(r) for r in rows) < 3:
+            emitted = decoder.advance(token, position, None, [len(r) < 3 for r in rows], room=8)
+            for row, tokens in zip(rows, emitted.rows()):
+                row.extend(tokens)
+            position, token = position + emitted.counts, emitted.last
+    drawn = torch.tensor([r[:3] for r in rows])
     assert cache.stats().verify_steps >= 1
     index = (drawn[:, 0] * v + drawn[:, 1]) * v + drawn[:, 2]
     counts = torch.bincount(index, minlength=v ** 3).float()

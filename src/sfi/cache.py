@@ -11,6 +11,7 @@ the forward :meth:`SlowFastCache.end_forward` commits it and records what the st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,25 @@ class SlowFastCache(Cache):
                            "layer cannot be rewound)")
         for layer in layers:
             layer.truncate(length)
+
+    def commit_rows(self, start: int, counts: Sequence[int]) -> None:
+        """After a verify of the slots from ``start`` on, rewound to its longest commit: row
+        r keeps ``counts[r]`` of them and the rest of its slots become holes (zeroed in every
+        layer, never attended: ``sfi.visibility``), so that each row keeps its own length."""
+        end = self.get_seq_length()
+        if all(start + count >= end for count in counts):
+            return
+        for seq, count in zip(self.planner.sequences, counts):
+            seq.holes.extend(range(start + count, end))
+        layers = self._sfi_layers()
+        slots = torch.arange(start, end, device=layers[0].keys.device)
+        empty = slots[None, :] >= start + torch.tensor(counts, device=slots.device)[:, None]
+        for layer in layers:
+            layer.blank(empty, start)
+
+    def holes(self, row: int) -> list[int]:
+        """Exact mode: the slots of sequence ``row`` that hold nothing (``sfi.visibility``)."""
+        return list(self.planner.sequences[row].holes)
 
     def record_exact(self, inputs: list[list[int]], accepted: list[int] | None,
                      drafted: int) -> None:

@@ -402,14 +402,17 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
     exact = ExactDecoder(model, cache, Sampling(temperature, top_p, generator)) if mode == "exact" \
         else None
 
+    def take(row: int, token: int) -> None:
+        checker = checkers[row]
+        if checker.done:
+            return
+        checker.push(token)
+        if on_token is not None and token not in eos:
+            on_token(row, token)
+
     def push(tokens: list[int]) -> None:
         for row, token in enumerate(tokens):
-            checker = checkers[row]
-            if checker.done:
-                continue
-            checker.push(token)
-            if on_token is not None and token not in eos:
-                on_token(row, token)
+            take(row, token)
 
     def wanted() -> tuple[list[bool], int]:
         return ([not c.done for c in checkers],
@@ -420,9 +423,10 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
     if exact is not None and not all(c.done for c in checkers):
         for emitted in exact.rounds(next_ids, position, attention_mask if padded else None,
                                     wanted):
-            for column in emitted.T.tolist():
-                push(column)
-            timing.decode_steps += emitted.shape[1]
+            for row, tokens in enumerate(emitted.rows()):  # each row takes its own
+                for token in tokens:
+                    take(row, token)
+            timing.decode_steps += emitted.tokens.shape[1]
             if all(c.done for c in checkers):
                 break
     while exact is None and not all(c.done for c in checkers):

@@ -14,10 +14,14 @@ Self-speculative decoding with SFI's memory as the drafter. A round of a batch:
    ``min(1, p / q)`` and else draws from ``max(0, p - q)`` normalised, or from ``p`` after
    ``gamma`` acceptances (:func:`speculative_verdict`), so that every token is distributed as
    full attention's (Leviathan et al. 2023; Chen et al. 2023);
-4. **commit**: a batch shares one cache length, so every row keeps the batch's shortest
-   accepted prefix ``m`` plus its own token at position ``m`` (an accepted draft, or full
-   attention's); the rest is rewound. Each row's trigger walks the committed inputs
-   (:meth:`SlowFastCache.record_exact`).
+4. **commit**: each row keeps its own accepted drafts and then its token at that position
+   (full attention's, or after gamma acceptances its next one): row r commits ``a_r + 1``
+   inputs. A batch shares one cache length, so the cache is rewound to the longest commit
+   ``m + 1`` (``m``: the most drafts a row still wanted accepted) and a row that committed
+   fewer leaves **holes**: slots zeroed and never attended (:mod:`sfi.visibility`,
+   :meth:`SlowFastCache.commit_rows`). Each row's trigger walks its committed inputs
+   (:meth:`SlowFastCache.record_exact`); the round returns each row's tokens
+   (:class:`Emitted`).
 
 :class:`DraftLength` picks gamma per batch from the measured draft, verify and dense step
 times and the acceptance, and decodes densely where drafting cannot pay.
@@ -90,6 +94,35 @@ def speculative_verdict(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     target = torch.where((accepted == g)[:, None], p[:, -1], residual)
     fix = torch.multinomial(target, 1, generator=generator).squeeze(-1)
     return Verdict(accepted, fix)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """The tokens one round gives each row.
+
+    Attributes:
+        tokens: ``[B, n]``; row r's are the first ``counts[r]``, the rest repeat its last.
+        counts: ``[B]`` how many tokens each row took (1 .. n); a row also wrote that many
+            slots of the round's n (the rest are its holes).
+    """
+
+    tokens: torch.Tensor
+    counts: torch.Tensor
+
+    @property
+    def last(self) -> torch.Tensor:
+        """``[B]`` each row's last token (the next round's input)."""
+        return self.tokens.gather(1, (self.counts - 1)[:, None]).squeeze(1)
+
+    def slots(self) -> torch.Tensor:
+        """``[B, n]`` long: 1 where the round wrote a row's slot, 0 at its holes (what an
+        attention mask covering the cache gains)."""
+        columns = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        return (columns[None, :] < self.counts[:, None]).long()
+
+    def rows(self) -> list[list[int]]:
+        """Each row's tokens, as lists."""
+        return [row[:n] for row, n in zip(self.tokens.tolist(), self.counts.tolist())]
 
 
 @dataclass(frozen=True)
@@ -196,13 +229,16 @@ class DraftLength:
         self.gamma = best
         return best
 
-    def record_round(self, gamma: int, committed: int, draft_s: float, verify_s: float) -> None:
-        """A round of ``gamma`` drafts committed ``committed`` of them (plus one), its drafts
-        taking ``draft_s`` seconds in all and its verify ``verify_s``."""
+    def record_round(self, gamma: int, accepted: Sequence[int], draft_s: float,
+                     verify_s: float) -> None:
+        """A round of ``gamma`` drafts of which the rows still wanted accepted ``accepted``
+        (each row commits its own, plus one), its drafts taking ``draft_s`` seconds in all and
+        its verify ``verify_s``."""
         self.draft_s = self._mix(self.draft_s, draft_s / gamma)
         self.verify_s = self._mix(self.verify_s, verify_s)
-        self.hits = self.hits * self.decay + committed
-        self.trials = self.trials * self.decay + committed + (committed < gamma)
+        n = len(accepted)
+        self.hits = self.hits * self.decay + sum(accepted) / n
+        self.trials = self.trials * self.decay + sum(a + (a < gamma) for a in accepted) / n
         self.rounds += 1
 
     def record_dense(self, seconds: float) -> None:
@@ -239,12 +275,13 @@ class ExactDecoder:
 
     def advance(self, tokens: torch.Tensor, position: torch.Tensor,
                 attention_mask: torch.Tensor | None, active: list[bool], room: int,
-                samplings: Sequence[Sampling] | None = None) -> torch.Tensor:
-        """Feed ``tokens [B]`` (the last token of each row, not yet cached, at ``position + 1``;
-        ``attention_mask [B, T]`` covers the cache when rows are padded) and return the
-        tokens that follow ``[B, n]``, n >= 1, each full attention's (``room``: tokens still
-        wanted; ``active``: rows still wanted, the ones whose acceptance bounds the commit;
-        ``samplings``: each row's, else the decoder's for all)."""
+                samplings: Sequence[Sampling] | None = None) -> Emitted:
+        """Feed ``tokens [B]`` (the last token of each row, not yet cached, at ``position + 1``
+        per row; ``attention_mask [B, T]`` covers the cache, 0 at padding and holes, when
+        there are any) and return the tokens that follow, at least one per row, each full
+        attention's (``room``: tokens still wanted; ``active``: rows still wanted, the ones
+        whose acceptance sets the round's length; ``samplings``: each row's, else the
+        decoder's for all)."""
         if samplings is None:
             samplings = [self.sampling] * tokens.shape[0]
         elif len(samplings) != tokens.shape[0]:
@@ -260,18 +297,28 @@ class ExactDecoder:
 
     def rounds(self, tokens: torch.Tensor, position: torch.Tensor,
                attention_mask: torch.Tensor | None,
-               wanted: Callable[[], tuple[list[bool], int]]) -> Iterator[torch.Tensor]:
+               wanted: Callable[[], tuple[list[bool], int]]) -> Iterator[Emitted]:
         """:meth:`advance` round after round from ``tokens [B]`` at ``position + 1`` (and the
         padded ``attention_mask [B, T]``, extended as the cache grows): yields each round's
-        tokens ``[B, n]``, whose last the next round feeds, for as long as the caller takes
-        them. ``wanted()``, asked before each round, gives its ``active`` rows and ``room``."""
+        :class:`Emitted`, whose last tokens the next round feeds, for as long as the caller
+        takes them. ``wanted()``, asked before each round, gives its ``active`` rows and
+        ``room``."""
         while True:
             active, room = wanted()
             emitted = self.advance(tokens, position, attention_mask, active, room)
             yield emitted
-            position, tokens = position + emitted.shape[1], emitted[:, -1]
-            if attention_mask is not None:
-                attention_mask = extended_mask(attention_mask, emitted.shape[1])
+            position, tokens = position + emitted.counts, emitted.last
+            if attention_mask is not None:  # (the cache keeps the holes: sfi.visibility)
+                attention_mask = torch.cat([attention_mask, emitted.slots().to(attention_mask)],
+                                           dim=-1)
+
+    @staticmethod
+    def round_length(accepted: list[int]) -> int:
+        """The drafts the batch's cache keeps of a round whose rows still wanted accepted
+        ``accepted``: the most any of them accepted (each row commits its own; a shorter
+        one leaves holes). ``min`` would be a common prefix: no holes, fewer tokens per
+        verify (``scripts/exact_commit_ab.py`` compares the two)."""
+        return max(accepted)
 
     def _can_draft(self) -> bool:
         total = self.cache.get_seq_length() + 1
@@ -279,7 +326,7 @@ class ExactDecoder:
 
     def _dense_step(self, tokens: torch.Tensor, position: torch.Tensor,
                     attention_mask: torch.Tensor | None,
-                    groups: list[tuple[Sampling, list[int]]]) -> torch.Tensor:
+                    groups: list[tuple[Sampling, list[int]]]) -> Emitted:
         start = time.perf_counter()
         self.cache.phase = DENSE_STEP
         logits = decode_one(self.model, self.cache, tokens, position + 1,
@@ -292,7 +339,7 @@ class ExactDecoder:
         self.length.record_dense(time.perf_counter() - start)
         self.cache.record_exact([[t] for t in inputs], None, 0)
         self.last = RoundCounts(dense_steps=len(inputs))
-        return nxt[:, None]
+        return Emitted(nxt[:, None], torch.ones_like(nxt))
 
     @staticmethod
     def _draw(logits: torch.Tensor, groups: list[tuple[Sampling, list[int]]]
@@ -328,7 +375,7 @@ class ExactDecoder:
 
     def _round(self, gamma: int, tokens: torch.Tensor, position: torch.Tensor,
                attention_mask: torch.Tensor | None, active: list[bool],
-               groups: list[tuple[Sampling, list[int]]]) -> torch.Tensor:
+               groups: list[tuple[Sampling, list[int]]]) -> Emitted:
         cache, b = self.cache, tokens.shape[0]
         start_length = cache.get_seq_length()
         start = time.perf_counter()
@@ -361,14 +408,21 @@ class ExactDecoder:
         verdict = self._verdict(target, drafted, q, groups)
         accepted = verdict.accepted.tolist()
         live = [n for n, alive in zip(accepted, active) if alive] or accepted
-        m = min(live)
-        cache.rewind(start_length + m + 1)  # the positions after the commit
-        rows = torch.arange(b, device=tokens.device)
-        last = torch.where(verdict.accepted > m, drafted[rows, min(m, gamma - 1)], verdict.fix)
-        emitted = torch.cat([drafted[:, :m], last[:, None]], dim=1)  # [B, m + 1]
-        inputs = ids[:, : m + 1].tolist()
+        m = self.round_length(live)  # a row that no longer counts commits at most m
+        commits = [min(n, m) for n in accepted]
+        cache.rewind(start_length + m + 1)  # the positions after the longest commit
+        cache.commit_rows(start_length, [c + 1 for c in commits])  # the shorter ones: holes
+        committed = torch.tensor(commits, device=tokens.device)
+        # row r's token at position c_r: an accepted draft where it accepted more (a row that
+        # no longer counts), else full attention's
+        later = drafted.gather(1, committed.clamp(max=gamma - 1)[:, None]).squeeze(1)
+        last = torch.where(verdict.accepted > committed, later, verdict.fix)
+        columns = torch.arange(m + 1, device=tokens.device)[None, :]
+        emitted = torch.where(columns < committed[:, None],
+                              torch.cat([drafted[:, :m], last[:, None]], dim=1), last[:, None])
+        inputs = [row[: c + 1] for row, c in zip(ids.tolist(), commits)]
         verify_s = time.perf_counter() - start
-        self.length.record_round(gamma, m, draft_s, verify_s)
+        self.length.record_round(gamma, live, draft_s, verify_s)
         cache.record_exact(inputs, accepted, gamma)
         self.last = RoundCounts(verify_steps=b, drafted=gamma * b, accepted=sum(accepted))
-        return emitted
+        return Emitted(emitted, committed + 1)

@@ -51,6 +51,17 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
                 "built with (its forward hook plans each step), not a submodule")
         return self.append(key_states, value_states)
 
+    def blank(self, empty: torch.Tensor, start: int) -> None:
+        """Zero the KV (and key norms) where ``empty [B, n]`` is true, in the n slots from
+        ``start``: exact mode's holes, which no read attends (``sfi.visibility``); the page
+        summaries from ``start`` on are made again."""
+        end = start + empty.shape[1]
+        self._keys[:, :, start:end].masked_fill_(empty[:, None, :, None], 0)
+        self._values[:, :, start:end].masked_fill_(empty[:, None, :, None], 0)
+        self._norms[:, :, start:end].masked_fill_(empty[:, None, :], 0)
+        if self._pages is not None and self._pages.done > start:
+            self._pages.done = start
+
     # --- attention (the AttendingLayer protocol) ---------------------------------------------
     def attend(self, step: StepContext, module: torch.nn.Module, query: torch.Tensor,
                key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,

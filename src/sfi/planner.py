@@ -42,6 +42,7 @@ from sfi.sequence import (
     sparse_pays,
 )
 from sfi.triggers import BOOTSTRAP, RefreshTrigger
+from sfi.visibility import block_bias, dense_bias, visible_slots
 
 
 @dataclass(frozen=True)
@@ -247,13 +248,13 @@ class Planner:
         return StepPlan(query_length=query_length, total_length=total, decode=decode,
                         kinds=tuple(kinds), reasons=tuple(reasons), tokens=tuple(tokens),
                         dense=self._rows(dense_rows, device), slow=slow, fast=fast,
-                        pad_bias=self.pad_bias(total, device) if reads_densely else None,
+                        pad_bias=dense_bias(self.sequences, total, device)
+                        if reads_densely else None,
                         compact_width=width,
                         dense_layers=tuple(s.config.dense_layers for s in self.sequences),
                         probes=self._probes(fast_rows, width, device) if phase is None else (),
                         phase=phase,
-                        block_bias=additive_bias(causal_mask(total, query_length, device, pads=(
-                            torch.tensor([s.pad for s in self.sequences], device=device))))
+                        block_bias=block_bias(self.sequences, total, query_length, device)
                         if phase == VERIFY else None)
 
     @staticmethod
@@ -324,6 +325,9 @@ class Planner:
         hi = torch.tensor([m.recent_start for m in memories], device=device)
         positions = torch.arange(total, device=device)
         candidates = (positions[None, :] >= lo[:, None]) & (positions[None, :] < hi[:, None])
+        visible = visible_slots(seqs, total, device)
+        if visible is not None:  # holes are never candidates (padding lies before lo anyway)
+            candidates = candidates & visible
         evidence_bias, windows = None, []
         if query_length > 1:
             windows = [min(s.config.evidence_window, query_length) for s in seqs]
@@ -366,10 +370,14 @@ class Planner:
         starts = [m.recent_start for m in memories]
         read_start = min(starts)
         recent_bias = None
-        if max(starts) != read_start:
+        seqs = [self.sequences[r] for r in rows]
+        visible = visible_slots(seqs, total, device) if any(s.holes for s in seqs) else None
+        if max(starts) != read_start or visible is not None:
             positions = torch.arange(read_start, total, device=device)
-            first = torch.tensor(starts, device=device)
-            recent_bias = additive_bias(positions[None, :] >= first[:, None])[:, None, None, :]
+            allowed = positions[None, :] >= torch.tensor(starts, device=device)[:, None]
+            if visible is not None:
+                allowed = allowed & visible[:, read_start:]
+            recent_bias = additive_bias(allowed)[:, None, None, :]
         slot = torch.arange(width, device=device)[None, :]
         sink_count = torch.tensor([m.sink_count for m in memories], device=device)[:, None]
         sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
@@ -377,15 +385,6 @@ class Planner:
         valid = (slot < sink_count) | ((slot >= sink) & (slot < sink + k))
         compact_bias = additive_bias(valid)[:, None, None, :]
         return FastRows(self._rows(rows, device), read_start, recent_bias, compact_bias)
-
-    def pad_bias(self, total: int, device: torch.device) -> torch.Tensor | None:
-        """``[B, 1, 1, T]``: -inf on each sequence's left padding; None when none is padded."""
-        pads = [seq.pad for seq in self.sequences]
-        if not any(pads):
-            return None
-        positions = torch.arange(total, device=device)
-        allowed = positions[None, :] >= torch.tensor(pads, device=device)[:, None]
-        return additive_bias(allowed)[:, None, None, :]
 
     # --- after the step ---------------------------------------------------------------------
     def commit(self, plan: StepPlan, lagged: dict[int, int], layers: Sequence[int],
@@ -418,6 +417,7 @@ class Planner:
         """Every sequence gains ``amount`` more positions of left padding."""
         for seq in self.sequences:
             seq.pad += amount
+            seq.holes = [h + amount for h in seq.holes]
             if seq.memory is not None:
                 m = seq.memory
                 seq.memory = replace(m, pad=m.pad + amount, sink_end=m.sink_end + amount,

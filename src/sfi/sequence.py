@@ -74,6 +74,7 @@ class SequenceState:
     memory: Memory | None = None
     coverage_miss: bool = False
     refresh_due: str | None = None  # exact mode: the next verify refreshes, for this reason
+    holes: list[int] = field(default_factory=list)  # exact mode: slots left empty (sfi.visibility)
 
 
 def next_memory(seq: SequenceState, total: int) -> Memory:

@@ -174,30 +174,35 @@ def decode_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, s
 def exact_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, start: int,
               new_tokens: int, warmup: int = 2) -> tuple[float, torch.Tensor]:
     """Exact mode's :func:`decode_run`: ``(seconds, tokens [B, 1 + warmup + new_tokens])``,
-    the seconds from the first token after ``warmup`` more (the first dense steps)."""
+    the seconds for ``new_tokens`` per row at the rate measured from the round after every
+    row has ``warmup`` more tokens (the first dense steps) until every row has them all (a
+    row's tokens past ``1 + warmup + new_tokens`` are not counted)."""
     device = tail.device
     token = prefill(model, cache, tail, start=start).argmax(-1)
     position = torch.full((tail.shape[0],), start + tail.shape[1] - 1, device=device)
     decoder = ExactDecoder(model, cache)
-    out, want, have, begin, timed_from = [token[:, None]], 1 + warmup + new_tokens, 1, None, 0
+    want = 1 + warmup + new_tokens
+    rows: list[list[int]] = [[t] for t in token.tolist()]
+    begin, timed_from = None, None
     if warmup == 0:
         _sync(device)
-        begin, timed_from = time.perf_counter(), have
+        begin, timed_from = time.perf_counter(), [1] * len(rows)
 
     def wanted() -> tuple[list[bool], int]:
-        return [True] * tail.shape[0], want - have
+        return [len(r) < want for r in rows], want - min(len(r) for r in rows)
 
     for emitted in decoder.rounds(token, position, None, wanted):
-        out.append(emitted)
-        have += emitted.shape[1]
-        if have >= want:
+        for row, tokens in zip(rows, emitted.rows()):
+            row.extend(tokens)
+        if min(len(r) for r in rows) >= want:
             break
-        if begin is None and have > warmup:  # (before the next round)
+        if begin is None and min(len(r) for r in rows) > warmup:  # (before the next round)
             _sync(device)
-            begin, timed_from = time.perf_counter(), have
+            begin, timed_from = time.perf_counter(), [len(r) for r in rows]
     _sync(device)
     seconds = time.perf_counter() - begin
-    return seconds * new_tokens / (have - timed_from), torch.cat(out, 1)[:, :want]
+    produced = sum(want - t for t in timed_from) / len(rows)
+    return seconds * new_tokens / produced, torch.tensor([r[:want] for r in rows], device=device)
 
 
 def _median_ms(steps: list[tuple[float, str]], kind: str) -> float | None:

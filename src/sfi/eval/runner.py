@@ -93,7 +93,7 @@ def exact_continue(model: torch.nn.Module, cache: SlowFastCache, shared: SharedP
         return checker.tokens
     for emitted in decoder.rounds(token, position, None,
                                   lambda: ([True], max_new_tokens - len(checker.tokens))):
-        for value in emitted[0].tolist():
+        for value in emitted.rows()[0]:
             if checker.push(value):
                 return checker.tokens
     raise AssertionError("unreachable: the rounds end only when the checker stops")

@@ -361,9 +361,9 @@ class Engine:
         emitted, counts = lane.exact_round(self.device)
         self.metrics.count_round(counts)
         taken = 0
-        for row, request in enumerate(lane.requests):
+        for row, (request, tokens) in enumerate(zip(lane.requests, emitted.rows())):
             try:
-                for token in emitted[row].tolist():
+                for token in tokens:
                     taken += 1
                     if self._take(request, token, lane.cache, row):
                         break

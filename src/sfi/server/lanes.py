@@ -14,7 +14,7 @@ import torch
 
 from sfi.cache import SlowFastCache
 from sfi.decode import chunk_end, prefill
-from sfi.exact import ExactDecoder, RoundCounts, Sampling
+from sfi.exact import Emitted, ExactDecoder, RoundCounts, Sampling
 from sfi.server.requests import GenerationRequest
 
 
@@ -96,15 +96,15 @@ class Lane:
         tokens = torch.tensor([r.tokens[-1] for r in self.requests], device=device)
         return tokens, torch.tensor(self.positions, device=device)
 
-    def exact_round(self, device: torch.device) -> tuple[torch.Tensor, RoundCounts]:
-        """One round of exact mode over the lane: ``[B, n]`` the tokens that follow each row's
-        last (n >= 1; a row that finishes takes fewer), and what the round did."""
+    def exact_round(self, device: torch.device) -> tuple[Emitted, RoundCounts]:
+        """One round of exact mode over the lane: the tokens that follow each row's last (at
+        least one, each row its own number), and what the round did."""
         tokens, positions = self.inputs(device)
         room = max(r.max_tokens - len(r.tokens) for r in self.requests)
         samplings = [r.sampling for r in self.requests]
         emitted = self.decoder.advance(tokens, positions - 1, None, [True] * len(tokens), room,
                                        samplings)
-        self.positions = [p + emitted.shape[1] for p in self.positions]
+        self.positions = [p + n for p, n in zip(self.positions, emitted.counts.tolist())]
         return emitted, self.decoder.last
 
 
