@@ -152,9 +152,10 @@ class StepPlan:
 
     ``dense`` rows attend to the whole cache without refreshing; ``slow`` rows attend densely
     and refresh their selection; ``fast`` rows read the compact buffer plus the recent window.
-    ``pad_bias [B, 1, 1, T]`` masks left padding wherever a row may read densely (None when no
-    row is padded or none reads densely). ``compact_width`` is C, the compact slots the layers
-    hold after this step. ``reasons`` holds each slow row's refresh reason.
+    ``pad_bias [B, 1, 1, T]`` masks left padding and exact mode's holes wherever a row may read
+    densely (None when there are none or no row reads densely). ``compact_width`` is C, the
+    compact slots the layers hold after this step. ``reasons`` holds each slow row's refresh
+    reason.
     """
 
     query_length: int
@@ -171,7 +172,7 @@ class StepPlan:
     dense_layers: tuple[int, ...] = ()
     probes: tuple[Probe, ...] = ()
     phase: str | None = None
-    block_bias: torch.Tensor | None = None  # a verify's [B or 1, Q, T]: causal, padding
+    block_bias: torch.Tensor | None = None  # a verify's [B or 1, Q, T]: causal, pads, holes
 
     def probes_at(self, layer_idx: int) -> list[Probe]:
         """The coverage probes this layer runs (the fast rows they check, and how)."""
@@ -325,9 +326,8 @@ class Planner:
         hi = torch.tensor([m.recent_start for m in memories], device=device)
         positions = torch.arange(total, device=device)
         candidates = (positions[None, :] >= lo[:, None]) & (positions[None, :] < hi[:, None])
-        visible = visible_slots(seqs, total, device)
-        if visible is not None:  # holes are never candidates (padding lies before lo anyway)
-            candidates = candidates & visible
+        if any(s.holes for s in seqs):  # holes are never candidates (padding lies before lo)
+            candidates = candidates & visible_slots(seqs, total, device)
         evidence_bias, windows = None, []
         if query_length > 1:
             windows = [min(s.config.evidence_window, query_length) for s in seqs]

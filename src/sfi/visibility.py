@@ -36,7 +36,7 @@ def visible_slots(rows: Sequence[_Row], total: int, device: torch.device
     allowed = positions[None, :] >= torch.tensor(pads, device=device)[:, None]
     for index, row in enumerate(rows):
         if row.holes:
-            allowed[index, [h for h in row.holes if h < total]] = False
+            allowed[index, row.holes] = False  # holes lie before the cache's length
     return allowed
 
 
