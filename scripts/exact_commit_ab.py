@@ -21,7 +21,8 @@ import torch
 
 from sfi.bench.throughput import benchmark_ids, measure_bandwidth, measure_cell
 from sfi.config import SFIConfig
-from sfi.exact import DraftLength, ExactDecoder
+from sfi.draft_length import DraftLength
+from sfi.exact import ExactDecoder
 from sfi.models import load
 from sfi.prefix import prefix_kv
 
@@ -30,9 +31,9 @@ rounds: list[tuple[float, float]] = []  # each round's (draft step, verify) seco
 _record = DraftLength.record_round
 
 
-def _recording(self, gamma, accepted, draft_s, verify_s):
+def _recording(self, gamma, draft_s, verify_s):
     rounds.append((draft_s / gamma, verify_s))
-    return _record(self, gamma, accepted, draft_s, verify_s)
+    return _record(self, gamma, draft_s, verify_s)
 
 
 DraftLength.record_round = _recording

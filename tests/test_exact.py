@@ -17,15 +17,10 @@ from transformers import DynamicCache
 import sfi
 from sfi import SFIConfig, SlowFastCache
 from sfi.decode import encode_prompts, prefill
-from sfi.exact import (
-    DraftLength,
-    ExactDecoder,
-    Sampling,
-    expected_tokens,
-    greedy_verdict,
-    speculative_verdict,
-)
+from sfi.draft_length import DraftLength, ForwardCost, expected_tokens
+from sfi.exact import ExactDecoder, Sampling, greedy_verdict, speculative_verdict
 from sfi.hf import cache_argument
+from sfi.sequence import DraftAcceptance
 from sfi.steps import token_distribution
 from sfi.texts import long_text
 
@@ -137,23 +132,77 @@ def _normal_quantile(p: float) -> float:
 
 
 def test_draft_length_drafts_where_it_pays_and_falls_back_where_not():
+    sure, unsure = [0.9], [0.1, 0.1]
     length = DraftLength(SFIConfig())
-    assert length.choose(100) == 0  # a dense step is measured first
-    length.record_dense(0.100)
-    gamma = length.choose(100)
+    assert length.choose(100, sure) == 0  # a dense step is measured first
+    length.record_dense(0.100, sure)
+    gamma = length.choose(100, sure)
     assert gamma == SFIConfig().draft_tokens
-    length.record_round(gamma, [gamma], draft_s=gamma * 0.020, verify_s=0.110)  # cheap drafts
-    assert length.choose(100) > 0
-    assert length.choose(3) <= 2  # never past the tokens still wanted
+    length.record_round(gamma, draft_s=gamma * 0.020, verify_s=0.110)  # cheap drafts
+    assert length.choose(100, sure) > 0
+    assert length.choose(3, sure) <= 2  # never past the tokens still wanted
     slow = DraftLength(SFIConfig())
-    slow.record_dense(0.100)
-    gamma = slow.choose(100)
+    slow.record_dense(0.100, unsure)
+    gamma = slow.choose(100, unsure)
     for _ in range(slow.judged_after):  # drafts that cost a dense step each
         assert gamma > 0
-        slow.record_round(gamma, [0, 0], draft_s=gamma * 0.090, verify_s=0.150)
-        gamma = slow.choose(100)
+        slow.record_round(gamma, draft_s=gamma * 0.090, verify_s=0.150)
+        gamma = slow.choose(100, unsure)
     assert gamma == 0 and slow.dense_left == 16
     assert expected_tokens(3, 0.5) == pytest.approx(1.875)
+
+
+def test_draft_length_weighs_each_rows_acceptance_and_the_verifys_length():
+    """Gamma maximises the rows' mean expected tokens over the round's time, with a verify
+    that costs more per position it verifies: against a brute-force search of that rate it
+    is the best, where a verify of constant cost or the rows' mean acceptance would choose
+    another."""
+    config = SFIConfig(draft_fallback=False)
+    draft, rows = 0.050, [0.97, 0.3]
+
+    def verify(n: int) -> float:
+        return 0.200 + 0.040 * n
+
+    length = DraftLength(config)
+    for gamma in (2, 4, 6, 4):
+        length.record_round(gamma, draft_s=gamma * draft, verify_s=verify(gamma + 1))
+    assert length.forward(9) == pytest.approx(verify(9))
+    lengths = range(config.draft_min, config.draft_max + 1)
+
+    def best(tokens, verify_s) -> int:
+        return max(lengths, key=lambda g: tokens(g) / (g * draft + verify_s(g + 1)))
+
+    def per_row(g: int) -> float:
+        return sum(expected_tokens(g, a) for a in rows) / len(rows)
+
+    chosen = length.choose(100, rows)
+    assert chosen == best(per_row, verify) == 3
+    assert best(per_row, lambda n: verify(5)) != chosen  # a verify as long as any other
+    assert best(lambda g: expected_tokens(g, sum(rows) / 2), verify) != chosen
+
+
+def test_forward_cost_fits_a_line_that_stays_physical():
+    cost = ForwardCost()
+    assert cost(3) is None
+    cost.record(5, 0.4)
+    assert cost(1) == cost(9) == pytest.approx(0.4)  # one length measured: no slope
+    cost.record(1, 0.5)  # longer forwards measured faster (noise): no negative slope
+    assert cost(1) == pytest.approx(cost(9))
+    steep = ForwardCost()
+    steep.record(1, 0.1)
+    steep.record(2, 1.0)  # would put the base below 0: the cost stays proportional at most
+    assert steep(4) <= 4 * steep(1) + 1e-9 and steep(0) >= -1e-9
+
+
+def test_each_sequence_keeps_its_own_acceptance():
+    one, other = DraftAcceptance(), DraftAcceptance()
+    assert one.rate == pytest.approx(0.8)  # the prior
+    for _ in range(5):
+        one.record(4, 4)
+        other.record(0, 4)
+    assert one.rate > 0.9 and other.rate < 0.4
+    other.record(4, 4)  # a round that accepts everything raises it
+    assert other.rate > 0.4
 
 
 # --- exactness on models -----------------------------------------------------------------------
@@ -220,8 +269,11 @@ def test_the_cache_holds_full_attentions_kv_after_every_verify(tiny_llama_with_t
         logits = prefill(model, cache, ids, attention_mask=mask, positions=positions)
         decoder = ExactDecoder(model, cache)
         token, position, fed, ragged = logits.argmax(-1), positions[:, -1], [ids], 0
+        acceptances = [DraftAcceptance(), DraftAcceptance()]  # each row's, replayed
         for _ in range(8):
             emitted = decoder.advance(token, position, mask, [True, True], room=64)
+            for acceptance, count in zip(acceptances, emitted.counts.tolist()):
+                acceptance.record(count - 1, 4)
             # each row's inputs fill the round's first slots; the rest are its holes
             fed.append(torch.cat([token[:, None], emitted.tokens[:, :-1]], 1))
             mask = torch.cat([mask, emitted.slots()], 1)
@@ -237,6 +289,7 @@ def test_the_cache_holds_full_attentions_kv_after_every_verify(tiny_llama_with_t
     assert stats.verify_steps == 2 * 8 and 0 < stats.accepted < stats.drafted
     assert cache.get_seq_length() == everything.shape[1]
     assert ragged > 0  # the rows committed different numbers of tokens in some round
+    assert [seq.acceptance for seq in cache.planner.sequences] == acceptances
     assert [cache.holes(r) for r in range(2)] == [
         [int(s) for s in (mask[r] == 0).nonzero()[:, 0] if s >= cache.padding(r)]
         for r in range(2)]

@@ -220,7 +220,8 @@ class SlowFastCache(Cache):
                            f"{self.batch_size}")
         for row, (seq, tokens) in enumerate(zip(self.planner.sequences, inputs)):
             refreshed = accepted is not None and self._kinds[row] == SLOW
-            record_verified(seq, tokens, refreshed, None if accepted is None else accepted[row])
+            record_verified(seq, tokens, refreshed, None if accepted is None else accepted[row],
+                            drafted)
             if accepted is None:
                 seq.stats.exact_dense_steps += 1
                 continue

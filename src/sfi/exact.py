@@ -24,7 +24,7 @@ Self-speculative decoding with SFI's memory as the drafter. A round of a batch:
    (:class:`Emitted`).
 
 :class:`DraftLength` picks gamma per batch from the measured draft, verify and dense step
-times and the acceptance, and decodes densely where drafting cannot pay.
+times and each row's own acceptance, and decodes densely where drafting cannot pay.
 
 Shapes: B sequences, g drafts (gamma), V vocabulary.
 """
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from sfi.cache import SlowFastCache
-from sfi.config import SFIConfig
+from sfi.draft_length import DraftLength
 from sfi.errors import SFIError
 from sfi.hf import cache_argument
 from sfi.planner import DENSE_STEP, DRAFT, VERIFY
@@ -164,94 +164,6 @@ class RoundCounts:
     dense_steps: int = 0
 
 
-def expected_tokens(gamma: int, acceptance: float) -> float:
-    """Tokens a round of ``gamma`` drafts commits when each is accepted with probability
-    ``acceptance`` (independently): ``1 + a + ... + a^gamma``."""
-    return sum(acceptance ** j for j in range(gamma + 1))
-
-
-@dataclass
-class DraftLength:
-    """Gamma for the next round of a batch, from what the rounds measured.
-
-    Keeps running estimates (exponential averages) of a draft step's and a verify's seconds,
-    a dense step's seconds, and the per-token acceptance of the committed prefix (accepted
-    drafts over drafts tested, both decayed). The next round drafts the gamma in
-    ``[draft_min, draft_max]`` that maximises ``expected_tokens(gamma, a) / (gamma * t_draft +
-    t_verify)``; when that rate (after ``judged_after`` rounds) is below a dense step's
-    ``1 / t_dense`` the batch decodes
-    densely, for ``dense_run`` steps, doubled at each round that does not pay (a dense step is
-    measured first; ``draft_fallback=False`` always drafts).
-    """
-
-    config: SFIConfig
-    gamma: int = 0
-    draft_s: float | None = None
-    verify_s: float | None = None
-    dense_s: float | None = None
-    hits: float = 0.0
-    trials: float = 0.0
-    dense_left: int = 0
-    dense_run: int = 16
-    judged_after: int = 3  # rounds measured before the first fallback (the first is warm-up)
-    smoothing: float = 0.3
-    decay: float = 0.9
-    rounds: int = 0
-
-    def __post_init__(self) -> None:
-        self.gamma = self.gamma or self.config.draft_tokens
-
-    @property
-    def acceptance(self) -> float:
-        """Per-token acceptance (a prior of 0.8 over four trials before any round)."""
-        return (self.hits + 3.2) / (self.trials + 4.0)
-
-    def rate(self, gamma: int) -> float:
-        """Tokens per second of rounds of ``gamma`` drafts, by the estimates."""
-        return expected_tokens(gamma, self.acceptance) / (gamma * self.draft_s + self.verify_s)
-
-    def choose(self, room: int) -> int:
-        """The next round's gamma (at most ``room - 1``, the tokens still wanted less the
-        verify's own), or 0 for a dense step."""
-        limit = min(self.config.draft_max, room - 1)
-        fallback = self.config.draft_fallback
-        if limit < 1 or (fallback and (self.dense_s is None or self.dense_left > 0)):
-            return 0
-        if self.draft_s is None or self.verify_s is None:
-            return min(self.gamma, limit)
-        low = min(self.config.draft_min, limit)
-        best = max(range(low, limit + 1), key=self.rate)
-        if fallback and self.rounds >= self.judged_after and \
-                self.rate(best) * self.dense_s < 1.0:
-            self.dense_left = self.dense_run
-            self.dense_run *= 2
-            return 0
-        self.gamma = best
-        return best
-
-    def record_round(self, gamma: int, accepted: Sequence[int], draft_s: float,
-                     verify_s: float) -> None:
-        """A round of ``gamma`` drafts of which the rows still wanted accepted ``accepted``
-        (each row commits its own, plus one), its drafts taking ``draft_s`` seconds in all and
-        its verify ``verify_s``."""
-        self.draft_s = self._mix(self.draft_s, draft_s / gamma)
-        self.verify_s = self._mix(self.verify_s, verify_s)
-        n = len(accepted)
-        self.hits = self.hits * self.decay + sum(accepted) / n
-        self.trials = self.trials * self.decay + sum(a + (a < gamma) for a in accepted) / n
-        self.rounds += 1
-
-    def record_dense(self, seconds: float) -> None:
-        """A dense step took ``seconds``."""
-        self.dense_s = self._mix(self.dense_s, seconds)
-        self.dense_left = max(0, self.dense_left - 1)
-        if self.verify_s is not None and self.rate(self.gamma) * self.dense_s >= 1.0:
-            self.dense_run = 16  # rounds pay again at this length: back to short dense runs
-
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
-
-
 class ExactDecoder:
     """Rounds of draft, verify, accept over one :class:`SlowFastCache` batch.
 
@@ -287,10 +199,11 @@ class ExactDecoder:
         elif len(samplings) != tokens.shape[0]:
             raise SFIError(f"{len(samplings)} samplings for a batch of {tokens.shape[0]} rows")
         groups = _groups(samplings)
-        gamma = self.length.choose(room) if self._can_draft() else 0
+        acceptances = self._acceptances(active)
+        gamma = self.length.choose(room, acceptances) if self._can_draft() else 0
         try:
             if gamma == 0:
-                return self._dense_step(tokens, position, attention_mask, groups)
+                return self._dense_step(tokens, position, attention_mask, groups, acceptances)
             return self._round(gamma, tokens, position, attention_mask, active, groups)
         finally:
             self.cache.phase = None
@@ -320,13 +233,19 @@ class ExactDecoder:
         verify (``scripts/exact_commit_ab.py`` compares the two)."""
         return max(accepted)
 
+    def _acceptances(self, active: list[bool]) -> list[float]:
+        """The per-token acceptance of each row still wanted (of every row when none is)."""
+        rates = [seq.acceptance.rate for seq in self.cache.planner.sequences]
+        return [a for a, alive in zip(rates, active) if alive] or rates
+
     def _can_draft(self) -> bool:
         total = self.cache.get_seq_length() + 1
         return any(sparse_pays(seq, total) for seq in self.cache.planner.sequences)
 
     def _dense_step(self, tokens: torch.Tensor, position: torch.Tensor,
                     attention_mask: torch.Tensor | None,
-                    groups: list[tuple[Sampling, list[int]]]) -> Emitted:
+                    groups: list[tuple[Sampling, list[int]]],
+                    acceptances: list[float]) -> Emitted:
         start = time.perf_counter()
         self.cache.phase = DENSE_STEP
         logits = decode_one(self.model, self.cache, tokens, position + 1,
@@ -336,7 +255,7 @@ class ExactDecoder:
             nxt[rows] = sample_next(logits[rows], sampling.temperature, sampling.top_p,
                                     sampling.generator)
         inputs = tokens.tolist()
-        self.length.record_dense(time.perf_counter() - start)
+        self.length.record_dense(time.perf_counter() - start, acceptances)
         self.cache.record_exact([[t] for t in inputs], None, 0)
         self.last = RoundCounts(dense_steps=len(inputs))
         return Emitted(nxt[:, None], torch.ones_like(nxt))
@@ -422,7 +341,7 @@ class ExactDecoder:
                               torch.cat([drafted[:, :m], last[:, None]], dim=1), last[:, None])
         inputs = [row[: c + 1] for row, c in zip(ids.tolist(), commits)]
         verify_s = time.perf_counter() - start
-        self.length.record_round(gamma, live, draft_s, verify_s)
+        self.length.record_round(gamma, draft_s, verify_s)
         cache.record_exact(inputs, accepted, gamma)
         self.last = RoundCounts(verify_steps=b, drafted=gamma * b, accepted=sum(accepted))
         return Emitted(emitted, committed + 1)

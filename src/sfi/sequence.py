@@ -60,6 +60,30 @@ def refresh_memory(total: int, pad: int, sink: int, recent: int, budget: int) ->
 
 
 @dataclass
+class DraftAcceptance:
+    """Exact mode: one sequence's per-token acceptance of its drafts, from decayed counts of
+    the drafts full attention accepted (``hits``) over those it tested (``trials``: a round
+    tests its accepted drafts and the first rejected one). A prior of 0.8 over four trials
+    stands in before the first round; each round's counts weigh ``1 / decay`` more than the
+    last round's."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+    decay: float = 0.9
+
+    @property
+    def rate(self) -> float:
+        """The estimated probability that the sequence's next draft is accepted."""
+        return (self.hits + 3.2) / (self.trials + 4.0)
+
+    def record(self, accepted: int, drafted: int) -> None:
+        """A round drafted ``drafted`` tokens for this sequence, of which full attention
+        accepted the first ``accepted``."""
+        self.hits = self.hits * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + (accepted < drafted)
+
+
+@dataclass
 class SequenceState:
     """What one sequence carries between steps: its config, trigger, scorer, selection and
     counters. ``memory`` is None until its first selection."""
@@ -75,6 +99,7 @@ class SequenceState:
     coverage_miss: bool = False
     refresh_due: str | None = None  # exact mode: the next verify refreshes, for this reason
     holes: list[int] = field(default_factory=list)  # exact mode: slots left empty (sfi.visibility)
+    acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # exact mode's drafts
 
 
 def next_memory(seq: SequenceState, total: int) -> Memory:
@@ -165,9 +190,10 @@ def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | Non
 
 
 def record_verified(seq: SequenceState, inputs: Iterable[int], refreshed: bool,
-                    accepted: int | None = None) -> None:
+                    accepted: int | None = None, drafted: int = 0) -> None:
     """Exact mode (``sfi.exact``): walk the trigger over the ``inputs`` of the decode steps a
-    verify (or a dense step) committed, as if each had been a decode step of its own.
+    verify (or a dense step) committed, as if each had been a decode step of its own, and
+    count a verify's ``accepted`` of ``drafted`` drafts in the sequence's acceptance.
 
     ``refreshed``: the verify selected a new memory at its first position (installed by
     the plan's commit, which restarted the reuse count), so its first input is that slow
@@ -188,6 +214,8 @@ def record_verified(seq: SequenceState, inputs: Iterable[int], refreshed: bool,
             seq.refresh_due = seq.trigger.decide(token, steps)
         seq.trigger.advance(token, steps)
         seq.steps_since_refresh = steps
+    if accepted is not None and drafted:
+        seq.acceptance.record(accepted, drafted)
     if accepted == 0 and seq.refresh_due is None and seq.memory is not None and \
             seq.steps_since_refresh >= seq.config.min_refresh_gap:
         seq.refresh_due = ACCEPTANCE
