@@ -95,16 +95,18 @@ def best_pages(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
                shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions of the ``top`` pages among ``outside [n, H, P]`` (:func:`unheld_pages`)
     whose keys the query bounds highest, per KV head: ``([n, H, m * P], [n, H, m * P] bool,
-    the real ones)`` (m = min(top, pages); a page past the ``length`` positions, or none left
-    to choose, is not real). Shapes as :func:`missing_rows`."""
+    the real ones)`` (m = min(top, pages); where fewer than m pages are left to choose, the
+    rest are not real and their positions are any of the ``length``). A page of ``outside``
+    lies wholly inside its row's middle region, so a real page's positions lie in the cache.
+    Shapes as :func:`missing_rows`."""
     pages = centre.shape[2]
     scores = box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
     best = torch.topk(scores, min(top, pages), dim=-1)  # [n, H, m]
     positions = best.indices[..., None] * page + torch.arange(page, device=centre.device)
     if shift is not None:
         positions = positions - shift[:, None, None, None]
-    real = torch.isfinite(best.values)[..., None] & (positions >= 0) & (positions < length)
-    return positions.clamp(0, length - 1).flatten(2), real.flatten(2)  # [n, H, m * P]
+    real = torch.isfinite(best.values).repeat_interleave(page, dim=-1)  # [n, H, m * P]
+    return positions.clamp(0, length - 1).flatten(2), real
 
 
 def misses(query: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor, lse: torch.Tensor, *,
