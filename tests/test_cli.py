@@ -132,6 +132,8 @@ def test_bench_vllm_without_vllm_says_how_to_get_it():
     assert result.returncode == 2
     assert "sfi bench-vllm needs vLLM" in result.stderr and "make install-vllm" in result.stderr
     assert "Traceback" not in result.stderr
+    result = run_cli_here("bench-vllm", "--own-kv", "random")
+    assert result.returncode == 2 and "--own-kv must be one of prefill, synthetic" in result.stderr
 
 
 @pytest.mark.model

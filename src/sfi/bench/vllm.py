@@ -8,8 +8,10 @@ For each (context, batch) every mode prefills the same essay prompts, then the s
 every row decodes are timed (``LLMEngine.step``: scheduling, forward, sampling), after
 ``warmup`` untimed ones. sfi's own engine (transformers, :func:`sfi.bench.throughput.measure_cell`)
 runs full attention, SFI and SFI's fast step alone with the same configuration on the same
-token ids; llama.cpp (``llama-cpp-python`` on the model's GGUF, its own quantization, full
-KV, the same threads) runs the same token ids at batch 1 when it is installed.
+token ids (a real prefill of the same prompts, or ``own_kv="synthetic"``: random KV of their
+shape, for contexts past what the model was trained on); llama.cpp (``llama-cpp-python`` on
+the model's GGUF, its own quantization, full KV, the same threads) runs the same token ids at
+batch 1 when it is installed.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from sfi.prefix import prefix_kv
 from sfi.stats import DecodeStats
 
 VLLM_MODES = ("vllm", "vllm+sfi")
-OWN_MODES = ("full", "sfi", "sfi-fast-only")  # sfi's engine beside them (synthetic KV)
+OWN_MODES = ("full", "sfi", "sfi-fast-only")  # sfi's engine beside them
+OWN_KV = ("prefill", "synthetic")  # what sfi's engine decodes from
 
 
 @dataclass
@@ -152,14 +155,16 @@ def vllm_row(mode: str, context: int, batch: int, times: list[float],
 
 def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Sequence[int],
                    batches: Sequence[int], new_tokens: int, config: SFIConfig,
-                   own_engine: bool = True, gguf: str | Path | None = None, warmup: int = 2,
+                   own_engine: bool = True, own_kv: str = "prefill",
+                   gguf: str | Path | None = None, warmup: int = 2,
                    dtype: str = "float32", eager: bool = True,
                    attention_backend: str | None = None,
                    progress: Callable[[str], None] | None = None,
                    on_row: Callable[[EngineRow], None] | None = None) -> dict[str, Any]:
     """Every (context, batch) on stock vLLM, vLLM + SFI and (``own_engine``: ``model`` is the
-    transformers model) sfi's own full, SFI and SFI fast-only modes, and llama.cpp on ``gguf``
-    at batch 1;
+    transformers model) sfi's own full, SFI and SFI fast-only modes (from a real prefill of the
+    same prompts, or with ``own_kv="synthetic"`` random KV of their shape), and llama.cpp on
+    ``gguf`` at batch 1;
     returns ``{"rows": [...], ...}`` with ratios within each cell. ``dtype``, ``eager`` and
     ``attention_backend`` are vLLM's (bfloat16, not eager, on GPUs). ``on_row`` is handed each
     row as soon as it is measured.
@@ -170,6 +175,8 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
     declares at engine start): vLLM + SFI, then stock vLLM without the plugin installed."""
     from sfi.vllm import backend, configure
 
+    if own_kv not in OWN_KV:
+        raise SFIError(f"own_kv must be one of {', '.join(OWN_KV)}, got {own_kv!r}")
     say = progress or (lambda _msg: None)
     longest = max(contexts) + warmup + new_tokens + 2
     from transformers import AutoConfig
@@ -227,11 +234,13 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
         cell = measured[(context, batch)]
         prompts = ids[(context, batch)]
         if own_engine:
-            prefix = prefix_kv(model, prompts[:, :-config.evidence_window], True)
+            say(f"context {context}, batch {batch}: sfi engine, {own_kv} KV")
+            prefix = prefix_kv(model, prompts[:, :-config.evidence_window],
+                               own_kv == "synthetic")
             for mode in OWN_MODES:
                 say(f"context {context}, batch {batch}: sfi engine, {mode}")
                 row = measure_cell(model, tokenizer, mode, config, prompts, prefix,
-                                   kv="synthetic", new_tokens=new_tokens, warmup=warmup,
+                                   kv=own_kv, new_tokens=new_tokens, warmup=warmup,
                                    bandwidth=bandwidth)
                 record((context, batch), EngineRow(
                     engine="sfi", mode=mode, context=context, batch=batch,
@@ -257,5 +266,6 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
         device = current_platform.get_device_name()
     return {"vllm": vllm.__version__, "device": device, "dtype": dtype,
             "eager": eager, "config": config.to_dict(),
+            "own_kv": own_kv if own_engine else None,
             "bandwidth_gb_s": round(bandwidth, 2) if bandwidth else None,
             "new_tokens": new_tokens, "rows": [asdict(r) for r in rows]}

@@ -114,7 +114,11 @@ def bench_vllm_cmd(
     batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
     new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
     own_engine: Annotated[bool, typer.Option(help="also time sfi's own engine (full, SFI, SFI "
-                                             "fast-only; synthetic KV) in one run")] = True,
+                                             "fast-only) in one run")] = True,
+    own_kv: Annotated[str, typer.Option(help="what sfi's own engine decodes from: prefill (a "
+                                        "real prefill of the same prompts) or synthetic "
+                                        "(random KV of their shape, for contexts past the "
+                                        "model's)")] = "prefill",
     llama_cpp: Annotated[bool | None, typer.Option(
         "--llama-cpp/--no-llama-cpp", help="also time llama.cpp on the model's GGUF at batch 1 "
         "(default: when llama-cpp-python is installed)")] = None,
@@ -134,6 +138,10 @@ def bench_vllm_cmd(
     Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi)."""
     import os
 
+    from sfi.bench.vllm import OWN_KV
+
+    if own_kv not in OWN_KV:
+        raise SFIError(f"--own-kv must be one of {', '.join(OWN_KV)}, got {own_kv!r}")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the results
     try:
         import vllm  # noqa: F401
@@ -166,6 +174,14 @@ def bench_vllm_cmd(
         raise SFIError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if own_engine:
         loaded_model, tokenizer = load_model(model, as_json)
+        from sfi.bench.throughput import context_length
+
+        limit = context_length(loaded_model)
+        if own_kv == "prefill" and limit is not None and \
+                max(context_list) + new_tokens + 4 > limit:
+            raise SFIError(f"a context of {max(context_list)} plus {new_tokens} new tokens "
+                           f"exceeds {model}'s {limit}: pass --own-kv synthetic (sfi's engine "
+                           "on random KV) or --no-own-engine, or shorter --contexts")
     else:  # vLLM loads the weights itself
         from sfi.models import load_tokenizer
 
@@ -179,7 +195,8 @@ def bench_vllm_cmd(
 
     result = run_vllm_bench(resolve(model), loaded_model, tokenizer, contexts=context_list,
                             batches=batch_list, new_tokens=new_tokens, config=config,
-                            own_engine=own_engine, gguf=gguf, dtype=dtype, eager=eager,
+                            own_engine=own_engine, own_kv=own_kv, gguf=gguf, dtype=dtype,
+                            eager=eager,
                             attention_backend=attention_backend, progress=say, on_row=log)
     result["model"] = model
     if plot is not None:
