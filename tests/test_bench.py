@@ -253,7 +253,7 @@ def test_the_engine_plot_has_a_line_per_engine_and_mode_in_each_batch(tmp_path, 
     from sfi.bench.plots import plot_engines
 
     series = [("vllm", "vllm"), ("vllm", "vllm+sfi"), ("sfi", "full"), ("sfi", "sfi"),
-              ("sfi", "sfi-fast-only"), ("llama.cpp", "full")]
+              ("sfi", "sfi-fast-only"), ("llama.cpp", "Q4_1"), ("llama.cpp", "F32")]
     rows = [{"engine": e, "mode": m, "context": c, "batch": b, "decode_tok_s": 1.0 + c / 1e4}
             for e, m in series for c in (4096, 8192) for b in (1, 4)
             if e != "llama.cpp" or b == 1]
@@ -268,9 +268,20 @@ def test_the_engine_plot_has_a_line_per_engine_and_mode_in_each_batch(tmp_path, 
     plot_engines({"rows": rows, "device": "cpu"}, str(tmp_path / "engines.png"))
     assert (tmp_path / "engines.png").stat().st_size > 0
     assert drawn == [["vllm", "vllm+sfi", "sfi engine, full", "sfi engine, sfi",
-                      "sfi engine, sfi-fast-only", "llama.cpp"],
+                      "sfi engine, sfi-fast-only", "llama.cpp, Q4_1 weights",
+                      "llama.cpp, F32 weights"],
                      ["vllm", "vllm+sfi", "sfi engine, full", "sfi engine, sfi",
                       "sfi engine, sfi-fast-only"]]
+
+
+def test_a_llama_cpp_row_names_the_weights_its_gguf_stores():
+    from sfi.bench.vllm import gguf_weights
+    from sfi.models import packaged_gguf
+
+    gguf = packaged_gguf("default")
+    if gguf is None:
+        pytest.skip("the packaged SmolLM2 GGUF is not installed")
+    assert gguf_weights(gguf) == "Q4_1"  # its matrices; norms and biases are F32 vectors
 
 
 def test_step_rates_count_the_rows_decode_steps():

@@ -119,9 +119,22 @@ def time_decode(llm: Any, prompts: Sequence[list[int]], new_tokens: int, warmup:
     return times[warmup:]
 
 
+def gguf_weights(gguf: str | Path) -> str:
+    """The weight type most of a GGUF's matrices are stored in (``Q4_1``, ``Q5_0``, ``F16``,
+    ``F32``, ...): what a llama.cpp row reads, named in its ``mode``."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    types = Counter(t.tensor_type.name for t in GGUFReader(str(gguf)).tensors
+                    if len(t.shape) > 1 and min(int(n) for n in t.shape) > 1)
+    return types.most_common(1)[0][0] if types else "F32"
+
+
 def llama_cpp_row(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: int,
                   threads: int) -> EngineRow:
-    """llama.cpp decoding greedily after ``prompt``: each ``eval`` of one token timed."""
+    """llama.cpp decoding greedily after ``prompt``: each ``eval`` of one token timed; the
+    row's ``mode`` is the GGUF's weight type (:func:`gguf_weights`)."""
     import llama_cpp
     import numpy as np
 
@@ -139,7 +152,7 @@ def llama_cpp_row(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: 
         times.append(time.perf_counter() - begin)
     llm.close()
     times = times[warmup:]
-    return EngineRow(engine="llama.cpp", mode="full", context=len(prompt), batch=1,
+    return EngineRow(engine="llama.cpp", mode=gguf_weights(gguf), context=len(prompt), batch=1,
                      decode_tok_s=round(len(times) / sum(times), 3),
                      step_ms=round(1000 * statistics.median(times), 3), steps=len(times),
                      fast_fraction=None)
@@ -156,7 +169,7 @@ def vllm_row(mode: str, context: int, batch: int, times: list[float],
 def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Sequence[int],
                    batches: Sequence[int], new_tokens: int, config: SFIConfig,
                    own_engine: bool = True, own_kv: str = "prefill",
-                   gguf: str | Path | None = None, warmup: int = 2,
+                   ggufs: Sequence[str | Path] = (), warmup: int = 2,
                    dtype: str = "float32", eager: bool = True,
                    attention_backend: str | None = None,
                    progress: Callable[[str], None] | None = None,
@@ -164,7 +177,7 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
     """Every (context, batch) on stock vLLM, vLLM + SFI and (``own_engine``: ``model`` is the
     transformers model) sfi's own full, SFI and SFI fast-only modes (from a real prefill of the
     same prompts, or with ``own_kv="synthetic"`` random KV of their shape), and llama.cpp on
-    ``gguf`` at batch 1;
+    each of ``ggufs`` at batch 1 (a row each, named by its weight type);
     returns ``{"rows": [...], ...}`` with ratios within each cell. ``dtype``, ``eager`` and
     ``attention_backend`` are vLLM's (bfloat16, not eager, on GPUs). ``on_row`` is handed each
     row as soon as it is measured.
@@ -247,8 +260,8 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
                     decode_tok_s=row.decode_tok_s, step_ms=row.step_ms, steps=new_tokens,
                     fast_fraction=row.fast_fraction, coverage_rate=row.coverage_rate))
             del prefix
-        if gguf is not None and batch == 1:
-            say(f"context {context}, batch 1: llama.cpp")
+        for gguf in ggufs if batch == 1 else ():
+            say(f"context {context}, batch 1: llama.cpp, {Path(gguf).name}")
             record((context, batch), llama_cpp_row(gguf, prompts[0].tolist(), new_tokens,
                                                    warmup, torch.get_num_threads()))
         base = {(r.engine, r.mode): r.decode_tok_s for r in cell}

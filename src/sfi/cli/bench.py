@@ -122,6 +122,9 @@ def bench_vllm_cmd(
     llama_cpp: Annotated[bool | None, typer.Option(
         "--llama-cpp/--no-llama-cpp", help="also time llama.cpp on the model's GGUF at batch 1 "
         "(default: when llama-cpp-python is installed)")] = None,
+    gguf: Annotated[str | None, typer.Option(
+        help="more GGUF files of the same model for llama.cpp, comma-separated (e.g. an F32 "
+             "one, for weights as wide as the other engines')")] = None,
     dtype: Annotated[str, typer.Option(help="vLLM's dtype (bfloat16 on GPUs)")] = "float32",
     eager: Annotated[bool, typer.Option(help="run vLLM eagerly (--no-eager: compiled, with CUDA "
                                         "graphs between attention layers on GPUs)")] = True,
@@ -161,15 +164,22 @@ def bench_vllm_cmd(
         raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
     import importlib.util
 
-    gguf = None
+    ggufs: list[Path] = []
+    extra = [Path(p) for p in name_list("--gguf", gguf, None)] if gguf else []
+    for path in extra:
+        if not path.is_file():
+            raise SFIError(f"--gguf: no file {str(path)!r}")
     installed = importlib.util.find_spec("llama_cpp") is not None
-    if llama_cpp and not installed:
-        raise SFIError("--llama-cpp needs llama-cpp-python (pip install llama-cpp-python)")
+    if (llama_cpp or extra) and not installed:
+        raise SFIError("--llama-cpp and --gguf need llama-cpp-python "
+                       "(pip install llama-cpp-python)")
     if llama_cpp or (llama_cpp is None and installed and packaged_gguf(model) is not None):
-        gguf = packaged_gguf(model) or (Path(model) if model.endswith(".gguf") else None)
-        if gguf is None:
+        own = packaged_gguf(model) or (Path(model) if model.endswith(".gguf") else None)
+        if own is None:
             raise SFIError(f"--llama-cpp needs a GGUF: {model!r} is neither a packaged model "
                            "nor a .gguf file; pass --no-llama-cpp")
+        ggufs.append(own)
+    ggufs += extra
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SFIError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if own_engine:
@@ -195,7 +205,7 @@ def bench_vllm_cmd(
 
     result = run_vllm_bench(resolve(model), loaded_model, tokenizer, contexts=context_list,
                             batches=batch_list, new_tokens=new_tokens, config=config,
-                            own_engine=own_engine, own_kv=own_kv, gguf=gguf, dtype=dtype,
+                            own_engine=own_engine, own_kv=own_kv, ggufs=ggufs, dtype=dtype,
                             eager=eager,
                             attention_backend=attention_backend, progress=say, on_row=log)
     result["model"] = model
