@@ -4,14 +4,15 @@ default) against the controller before it (the rows' pooled acceptance, one veri
 every gamma: an exponential average of the verifies measured).
 
     .venv/bin/python scripts/draft_length_ab.py [context] [batch] [reps] [--always-draft]
+        [--model=NAME]
 
-Default model, real essays (``sfi bench``'s ids), greedy, 48 timed tokens per run. Each rep runs
-full attention (transformers' ``DynamicCache``, and sfi's own slab with every step dense:
-``sfi`` with ``min_skip`` past the context, the dense step exact mode falls back to), then
-exact mode under each controller (the prompt's KV computed once and
-copied into each run's cache), and prints tokens/s, the ratio to the rep's full run, the
-acceptance, tokens per verify, the mean gamma, the dense steps and whether the tokens equal
-full attention's.
+The default model unless ``--model`` names another (``qwen2.5-0.5b``), real essays (``sfi
+bench``'s ids), greedy, 48 timed tokens per run. Each rep runs full attention (transformers'
+``DynamicCache``, and sfi's own slab with every step dense: ``sfi`` with ``min_skip`` past the
+context, the dense step exact mode falls back to), then exact mode under each controller (the
+prompt's KV computed once and copied into each run's cache), and prints tokens/s, the ratio to
+the rep's full run, the acceptance, tokens per verify, the mean gamma, the dense steps and
+whether the tokens equal full attention's.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def main() -> None:
     config = SFIConfig()
     if "--always-draft" in sys.argv:
         config = replace(config, draft_fallback=False)
-    model, tokenizer = load("default")
+    named = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--model=")]
+    model, tokenizer = load(named[-1] if named else "default")
     ids = benchmark_ids(tokenizer, context, batch)
     prefix = prefix_kv(model, ids[:, :-config.evidence_window], False)  # real KV
     common = dict(kv="prefill", new_tokens=48, warmup=2, bandwidth=measure_bandwidth())
