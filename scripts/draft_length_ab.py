@@ -17,18 +17,15 @@ whether the tokens equal full attention's.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+from exact_ab import setup  # (this folder)
 
 import sfi.exact
-from sfi.bench.throughput import benchmark_ids, measure_bandwidth, measure_cell
-from sfi.config import SFIConfig
+from sfi.bench.throughput import measure_cell
 from sfi.draft_length import DraftLength, expected_tokens
-from sfi.models import load
-from sfi.prefix import prefix_kv
 
 
 class PooledConstant(DraftLength):
@@ -49,17 +46,11 @@ CONTROLLERS = {"pooled, constant verify": PooledConstant, "per row, fitted verif
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    context, batch, reps = ([int(a) for a in args] + [7680, 4, 2][len(args):])[:3]
-    config = SFIConfig()
-    if "--always-draft" in sys.argv:
-        config = replace(config, draft_fallback=False)
-    named = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--model=")]
-    model, tokenizer = load(named[-1] if named else "default")
-    ids = benchmark_ids(tokenizer, context, batch)
-    prefix = prefix_kv(model, ids[:, :-config.evidence_window], False)  # real KV
-    common = dict(kv="prefill", new_tokens=48, warmup=2, bandwidth=measure_bandwidth())
-    for rep in range(reps):
+    run = setup()
+    model, tokenizer, config = run.model, run.tokenizer, run.config
+    ids, prefix = run.ids, run.prefix
+    common, context = run.common, run.context
+    for rep in range(run.reps):
         tokens: dict[str, torch.Tensor] = {}
         full = measure_cell(model, tokenizer, "full", config, ids, prefix, tokens=tokens,
                             **common)

@@ -14,17 +14,13 @@ attention's.
 from __future__ import annotations
 
 import statistics
-import sys
-from dataclasses import replace
 
 import torch
+from exact_ab import setup  # (this folder)
 
-from sfi.bench.throughput import benchmark_ids, measure_bandwidth, measure_cell
-from sfi.config import SFIConfig
+from sfi.bench.throughput import measure_cell
 from sfi.draft_length import DraftLength
 from sfi.exact import ExactDecoder
-from sfi.models import load
-from sfi.prefix import prefix_kv
 
 RULES = {"common prefix": min, "per row": max}
 rounds: list[tuple[float, float]] = []  # each round's (draft step, verify) seconds
@@ -40,17 +36,11 @@ DraftLength.record_round = _recording
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    context, batch, reps = ([int(a) for a in args] + [7680, 4, 2][len(args):])[:3]
-    config = SFIConfig()
-    if "--always-draft" in sys.argv:
-        config = replace(config, draft_fallback=False)
-    model, tokenizer = load("default")
-    ids = benchmark_ids(tokenizer, context, batch)
-    prefix = prefix_kv(model, ids[:, :-config.evidence_window], False)  # real KV
-    bandwidth = measure_bandwidth()
-    common = dict(kv="prefill", new_tokens=48, warmup=2, bandwidth=bandwidth)
-    for rep in range(reps):
+    run = setup()
+    model, tokenizer, config = run.model, run.tokenizer, run.config
+    ids, prefix = run.ids, run.prefix
+    common = run.common
+    for rep in range(run.reps):
         tokens: dict[str, torch.Tensor] = {}
         full = measure_cell(model, tokenizer, "full", config, ids, prefix, tokens=tokens,
                             **common)
