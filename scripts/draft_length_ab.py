@@ -29,7 +29,8 @@ from sfi.draft_length import DraftLength, expected_tokens
 
 
 class PooledConstant(DraftLength):
-    """The controller before: the rows' mean acceptance, one verify time for every gamma."""
+    """The controller before, approximately: the mean of the rows' acceptances (it pooled
+    the rows' counts under one prior instead), one verify time for every gamma."""
 
     verify_s: float | None = None
 
@@ -61,15 +62,17 @@ def main() -> None:
         order = list(CONTROLLERS.items())
         for name, controller in order if rep % 2 == 0 else order[::-1]:
             sfi.exact.DraftLength = controller
-            row = measure_cell(model, tokenizer, "sfi-exact", config, ids, prefix,
-                               tokens=tokens, **common)
+            try:
+                row = measure_cell(model, tokenizer, "sfi-exact", config, ids, prefix,
+                                   tokens=tokens, **common)
+            finally:
+                sfi.exact.DraftLength = DraftLength
             print(f"rep {rep}: {name}: {row.decode_tok_s:.2f} tok/s, "
                   f"{row.decode_tok_s / full.decode_tok_s:.2f}x full, "
                   f"{row.decode_tok_s / dense.decode_tok_s:.2f}x slab dense, acceptance "
                   f"{row.acceptance:.2f}, {row.tokens_per_verify:.2f} tokens/verify, mean gamma "
                   f"{row.mean_draft:.2f}, dense steps {row.exact_dense_steps}, same tokens as "
                   f"full: {row.same_tokens_as_full}", flush=True)
-    sfi.exact.DraftLength = DraftLength
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 
 One markdown row per (context, batch) of every run: each engine and mode's decode tokens/s,
 with vLLM + SFI against stock vLLM and sfi's default preset against stock vLLM and against
-each llama.cpp row of its cell (ratios only within a run's cell, as measured); ``--plot``
-draws every run's rows with :func:`sfi.bench.plots.plot_engines` (one panel per batch size).
+each llama.cpp row of its cell (a cell measured by two of the runs is refused: ratios only
+within a run, as measured); ``--plot`` draws every run's rows with
+:func:`sfi.bench.plots.plot_engines` (one panel per batch size).
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ def _rate(cell: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> 
 
 def table(results: list[dict[str, Any]]) -> str:
     cells: dict[tuple[int, int], dict[tuple[str, str], dict[str, Any]]] = {}
-    for result in results:
+    runs: dict[tuple[int, int], int] = {}
+    for run, result in enumerate(results):
         for row in result["rows"]:
-            cells.setdefault((row["context"], row["batch"]), {})[(row["engine"], row["mode"])] = row
+            where = (row["context"], row["batch"])
+            if runs.setdefault(where, run) != run:
+                sys.exit(f"context {where[0]}, batch {where[1]} was measured in two runs: "
+                         "ratios compare rows of one run only")
+            cells.setdefault(where, {})[(row["engine"], row["mode"])] = row
     llamas = sorted({mode for cell in cells.values() for engine, mode in cell
                      if engine == "llama.cpp"})
     head = (["context", "batch", "vLLM", "vLLM + SFI", "sfi: full", "sfi: SFI",
-             "sfi: fast step only"] + [f"llama.cpp {m}" for m in llamas])
+             "sfi: fast step only"] + [f"llama.cpp {m}" if m != "full" else "llama.cpp"
+                                          for m in llamas])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (context, batch), cell in sorted(cells.items()):
         vllm, plugin = _rate(cell, ("vllm", "vllm")), _rate(cell, ("vllm", "vllm+sfi"))
@@ -58,6 +65,8 @@ def main() -> None:
     plot = None
     if "--plot" in args:
         at = args.index("--plot")
+        if at + 1 == len(args):
+            sys.exit("--plot needs a file name")
         plot, args = args[at + 1], args[:at] + args[at + 2:]
     results = [json.loads(Path(path).read_text()) for path in args]
     print(table(results))

@@ -39,7 +39,8 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
     result = subprocess.run(
         [sys.executable, "-m", "sfi.cli", "bench", "--model", str(folder), "--contexts", "48,96",
          "--batch", "1,2", "--new-tokens", "4", "--sink", "2", "--k-head", "8", "--recent", "8",
-         "--evidence-window", "4", "--set", "min_skip=0", "--modes", ",".join(MODES), "--json",
+         "--evidence-window", "4", "--set", "min_skip=0", "--set",
+         "min_gain=1", "--modes", ",".join(MODES), "--json",
          "--plot", str(plot)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -186,7 +187,7 @@ def test_weight_formats_bench_in_one_run_with_their_fidelity(smol_tokenizer):
     result = run_weight_formats(load_model, ["native", "bf16"], fidelity_tokens=64,
                                 contexts=[48], batches=[1], new_tokens=2,
                                 config=SFIConfig(sink=2, k_head=8, recent=8, evidence_window=4,
-                                                 min_skip=0),
+                                                 min_skip=0, min_gain=1.0),
                                 modes=["full", "sfi"], synthetic_kv=True)
     rows = result["rows"]
     assert [(r["weights"], r["mode"]) for r in rows] == [

@@ -134,6 +134,10 @@ def test_bench_vllm_without_vllm_says_how_to_get_it():
     assert "Traceback" not in result.stderr
     result = run_cli_here("bench-vllm", "--own-kv", "random")
     assert result.returncode == 2 and "--own-kv must be one of prefill, synthetic" in result.stderr
+    result = run_cli_here("bench-vllm", "--gguf", "no/such.gguf")
+    assert result.returncode == 2 and "--gguf: no file 'no/such.gguf'" in result.stderr
+    result = run_cli_here("bench-vllm", "--gguf", __file__)
+    assert result.returncode == 2 and "is not a GGUF file" in result.stderr
 
 
 @pytest.mark.model

@@ -1,5 +1,6 @@
-"""The cost model: sparse decoding starts only where a fast step skips ``min_skip`` entries,
-decided per sequence from its own context, so a batch decides as its rows alone would."""
+"""The cost model: sparse decoding starts only where a fast step skips ``min_skip`` entries
+and reads ``min_gain`` times fewer bytes than a dense step, weights included, decided per
+sequence from its own context and the model, so a batch decides as its rows alone would."""
 
 from __future__ import annotations
 
@@ -22,8 +23,68 @@ def test_sparse_reads_start_where_a_fast_step_skips_min_skip_entries():
     forced = SFIConfig(sink=4, recent=16, k_head=32, min_skip=40, force_sparse=True)
     assert forced.sparse_from() == 0
     # METHOD.md's rule in the paper preset: sparse as soon as S + K + R fit
-    assert SFIConfig.paper().min_skip == 0
-    assert SFIConfig.paper(sink=4, recent=16, k_head=32).sparse_from() == 52
+    assert SFIConfig.paper().min_skip == 0 and SFIConfig.paper().min_gain == 1.0
+    assert SFIConfig.paper(sink=4, recent=16, k_head=32).sparse_from(weight_positions=10**5) == 52
+
+
+def test_sparse_reads_wait_until_they_save_min_gain_of_the_bytes_weights_included():
+    config = SFIConfig(sink=4, recent=16, k_head=32, min_skip=0, min_gain=1.1)
+    # (W + T) >= 1.1 (W + 52): T >= 157.2 with W = 1000 weights' worth of positions
+    assert not config.sparse_pays(157, 1000) and config.sparse_pays(158, 1000)
+    assert config.sparse_from(1000) == 158
+    assert config.sparse_from(0) == 58  # W unknown: the KV alone, T >= 57.2
+    both = SFIConfig(sink=4, recent=16, k_head=32, min_skip=2000, min_gain=1.1)
+    assert both.sparse_from(1000) == 2052  # min_skip binds here
+    assert SFIConfig(sink=4, recent=16, k_head=32, min_gain=1.1,
+                     force_sparse=True).sparse_pays(60, 10**6)
+    with pytest.raises(SFIConfigError, match="min_gain"):
+        SFIConfig(min_gain=0.9)
+
+
+@pytest.mark.parametrize("weights", [0, 800, 11_673, 80_397])
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+def test_the_break_even_with_weights_is_the_first_context_that_pays(weights, fraction):
+    config = SFIConfig(k_head=None, k_fraction=fraction, min_skip=100, min_gain=1.2)
+    first = next(t for t in range(1, 400_000) if config.sparse_pays(t, weights))
+    assert config.sparse_from(weights) == first
+    assert all(config.sparse_pays(t, weights) for t in range(first, first + 300))
+
+
+def test_the_weights_are_counted_from_the_config_as_the_model_holds_them():
+    """W from the config alone (what the vLLM plugin has) is within 1% of the model's own
+    weights over its KV bytes per position, for each architecture the tests run."""
+    from conftest import ARCHS
+
+    from sfi.bench.throughput import kv_bytes_per_entry, weight_bytes
+    from sfi.cost_model import weight_positions
+
+    for arch in ARCHS:
+        model = tiny_model(arch)
+        measured = weight_bytes(model) / kv_bytes_per_entry(model)
+        assert weight_positions(model.config) == pytest.approx(measured, rel=0.01), arch
+    from transformers import Qwen2Config
+
+    qwen = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, intermediate_size=4864, vocab_size=151936)
+    assert weight_positions(qwen) == 80_397  # Qwen2.5-0.5B: dense below 10,579 tokens
+    assert SFIConfig().sparse_from(80_397) == 10_579
+    assert weight_positions(object()) == 0  # a config without the fields: the KV alone
+
+
+def test_a_cache_turns_sparse_where_the_models_weights_say_it_pays():
+    """SlowFastCache weighs the model it routes: dense steps until ``sparse_from(W)``."""
+    from sfi.cost_model import weight_positions
+
+    model = tiny_model("llama")
+    weights = weight_positions(model.config)  # 800
+    config = SFIConfig.paper(sink=2, recent=8, k_head=8, evidence_window=4, trigger="fixed",
+                             period=50, min_gain=1.5)
+    start = config.sparse_from(weights)
+    assert start == 427  # (800 + T) >= 1.5 (800 + 18)
+    ids = torch.randint(1, 256, (1, start - 3), generator=torch.Generator().manual_seed(5))
+    run = lockstep(model, ids, config, steps=5)
+    kinds = [step[0] for step in run.kinds[1:]]  # decode step i runs at start - 3 + i tokens
+    assert kinds == ["dense", "dense", "slow", "fast", "fast"], kinds
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.15, 0.5, 0.9])
@@ -85,3 +146,8 @@ def test_generate_says_why_its_steps_were_dense():
                           stats=DecodeStats(fast_steps=1), timing=Timing(),
                           finish_reason="length", mode="sfi", config=config)
     assert "min_skip" not in _summary(fast)
+    qwen = GenerateResult(text="", token_ids=[1, 2], prompt_tokens=8000,
+                          stats=DecodeStats(dense_steps=2), timing=Timing(),
+                          finish_reason="length", mode="sfi", config=SFIConfig(),
+                          weight_positions=80_397)
+    assert "dense below 10,579 tokens" in _summary(qwen) and "min_gain" in _summary(qwen)

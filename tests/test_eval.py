@@ -264,7 +264,8 @@ def test_demo_answers_from_one_prefill_both_ways(default_model):
     prefilled = []
     # (min_skip=0: a document this short would decode densely by default)
     result = run_demo(model, tok, context=1500, seed=0, answer_tokens=16,
-                      config=SFIConfig.from_preset("default", k_fraction=0.15, min_skip=0),
+                      config=SFIConfig.from_preset("default", k_fraction=0.15, min_skip=0,
+                                                        min_gain=1.0),
                       on_prefill=lambda done, total: prefilled.append((done, total)))
     assert result.hidden in result.sample.text and result.question in result.sample.text
     assert prefilled[-1] == (result.prefill_tokens, result.prefill_tokens)

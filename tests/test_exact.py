@@ -27,7 +27,7 @@ from sfi.texts import long_text
 # a small memory, so that drafts depart from full attention and are rejected
 # (min_skip=0: these short prompts draft from S + K + R on)
 DRAFTING = dict(sink=2, recent=8, k_head=24, page_size=4, coverage_layers=0, min_skip=0,
-                draft_fallback=False, draft_tokens=4, draft_min=4, draft_max=4)
+                min_gain=1.0, draft_fallback=False, draft_tokens=4, draft_min=4, draft_max=4)
 
 
 # --- the acceptance rules, against their transcription -------------------------------------------
@@ -194,6 +194,15 @@ def test_forward_cost_fits_a_line_that_stays_physical():
     assert steep(4) <= 4 * steep(1) + 1e-9 and steep(0) >= -1e-9
 
 
+def test_forward_cost_keeps_the_verifies_through_a_long_dense_run():
+    cost = ForwardCost()
+    cost.record(5, 0.6)  # a verify of 4 drafts
+    for _ in range(200):  # a dense run (the fallback doubles them) measures only n = 1
+        cost.record(1, 0.2)
+    assert cost(5) == pytest.approx(0.6) and cost(1) == pytest.approx(0.2)
+    assert cost(3) == pytest.approx(0.4)
+
+
 def test_each_sequence_keeps_its_own_acceptance():
     one, other = DraftAcceptance(), DraftAcceptance()
     assert one.rate == pytest.approx(0.8)  # the prior
@@ -320,7 +329,7 @@ def test_sampled_tokens_are_distributed_as_full_attentions():
     model = tiny_model("llama", vocab_size=v, seed=1)
     prompt = torch.randint(0, v, (1, 40))
     config = SFIConfig(sink=1, recent=2, k_head=3, page_size=1, coverage_layers=0, min_skip=0,
-                       trigger="fixed", period=50, draft_fallback=False,
+                       min_gain=1.0, trigger="fixed", period=50, draft_fallback=False,
                        draft_tokens=3, draft_min=3, draft_max=3)
     law = _full_law(model, prompt, v, temperature=0.7)
     n = 20_000

@@ -41,7 +41,8 @@ from sfi.vllm.requests import (
 )
 from sfi.vllm.settings import parse_config
 
-SMALL = dict(sink=2, recent=8, k_head=16, coverage_layers=0, min_skip=0)
+SMALL = dict(sink=2, recent=8, k_head=16, coverage_layers=0, min_skip=0,
+             min_gain=1.0)
 
 
 def book(config: SFIConfig, slots: int = 4, classes=None) -> RequestBook:

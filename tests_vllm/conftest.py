@@ -16,8 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-# min_skip=0: sparse steps from S + K + R on, so that these short prompts exercise them
-os.environ["SFI_VLLM"] = "k_head=128,recent=64,trigger=fixed,period=8,min_skip=0"
+# min_skip=0, min_gain=1: sparse steps from S + K + R on (the cost model off), so that these
+# short prompts exercise them
+os.environ["SFI_VLLM"] = "k_head=128,recent=64,trigger=fixed,period=8,min_skip=0,min_gain=1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
@@ -32,10 +33,11 @@ DEVICE = os.environ.get("SFI_TEST_DEVICE", "cpu")  # "cuda" in make gpu-check
 ENGINE = dict(dtype="float32", max_model_len=4096, enable_prefix_caching=False, seed=0,
               enforce_eager=True, kv_cache_memory_bytes=1 << 28,
               **({"attention_backend": "TRITON_ATTN"} if DEVICE == "cuda" else {}))
-SFI = SFIConfig(k_head=128, recent=64, trigger="fixed", period=8, coverage_layers=0, min_skip=0)
+SFI = SFIConfig(k_head=128, recent=64, trigger="fixed", period=8, coverage_layers=0, min_skip=0,
+                min_gain=1.0)
 # the plugin's default trigger, with a short reuse budget so that 48 tokens see refreshes
 SENTENCE = SFIConfig(k_head=128, recent=64, refresh_interval=24, min_refresh_gap=4,
-                     coverage_layers=0, min_skip=0)
+                     coverage_layers=0, min_skip=0, min_gain=1.0)
 # the plugin's default: the sentence trigger and the coverage probes
 COVERAGE = replace(SENTENCE, coverage_layers=8)
 # the mechanisms the plugin once refused: a pinned quarter of K, hysteresis, a dense first layer

@@ -236,7 +236,8 @@ def test_tensor_parallel_ranks_decide_as_one_rank(tmp_path_factory, tokenizer, e
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (one NUMA node here)
     env["SFI_VLLM"] = ",".join(f"{name}={getattr(COVERAGE, name)}" for name in (
-        "k_head", "recent", "refresh_interval", "min_refresh_gap", "coverage_layers", "min_skip"))
+        "k_head", "recent", "refresh_interval", "min_refresh_gap", "coverage_layers", "min_skip",
+        "min_gain"))
     done = subprocess.run([sys.executable, "-c", TP_SCRIPT],
                           input=json.dumps([str(folder), ENGINE, prompts]),
                           capture_output=True, text=True, env=env, timeout=900)

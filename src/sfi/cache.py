@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from sfi.config import SFIConfig
 from sfi.context import StepContext
+from sfi.cost_model import weight_positions
 from sfi.errors import SFIError, UnsupportedModelError
 from sfi.hf import RoutingLease, text_config
 from sfi.layers import SlowFastLayer
@@ -81,6 +82,7 @@ class SlowFastCache(Cache):
 
         self._trigger_factory = trigger_factory
         self.dense_only = dense_only
+        self.weight_positions = weight_positions(model)  # the cost model's W (SFIConfig.min_gain)
         self._layer_ids: tuple[int, ...] = ()
         self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._kinds: tuple[str, ...] = ()
@@ -131,7 +133,7 @@ class SlowFastCache(Cache):
             if any(p == mask.shape[-1] for p in pads):
                 raise SFIError("a sequence of the batch is all padding (empty prompt)")
         self.planner.start(pads, self.config, self._trigger_factory, self.scorer,
-                           self.dense_only)
+                           self.dense_only, self.weight_positions)
         if self.rebuilder is None:
             self.rebuilder = make_rebuilder(device, self.config.overlap_selection)
 

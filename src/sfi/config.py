@@ -77,9 +77,20 @@ class SFIConfig:
     sequence, from its context alone (never the batch or timings), so that a batched decode
     equals each row decoded alone and a run repeats. 0: sparse as soon as S + K + R fit
     (METHOD.md's rule, the paper preset)."""
+    min_gain: float = 1.1
+    """Sparse decoding also waits until a fast step would read ``min_gain`` times fewer bytes
+    than a dense step of the same sequence: ``(W + T) / (W + S + K + R) >= min_gain``, with the
+    model's weights W counted in KV positions of the same byte width
+    (``sfi.cost_model.weight_positions``; weights and KV both stream once per step at batch
+    1). Where the weights outweigh the KV a fast step cannot save enough to pay for its own
+    costs: Qwen2.5-0.5B (W = 80,397 positions) decoded 0.97-1.00x stock vLLM at 4-8K, batch 1,
+    and 0.85x at 4K, batch 4, on this project's CPU, 1.12-1.38x at 16-32K; with 1.1 it turns
+    sparse from 10,579 tokens (K = 2,048, R = 256), and SmolLM2-135M (W = 11,673) from 3,707,
+    below ``min_skip``'s 3,844. Per sequence, from its context and the model alone. 1.0: no
+    such rule (the paper preset)."""
     force_sparse: bool = False
-    """Keep slow/fast steps even when the context is shorter than S + K + R + ``min_skip``
-    (dense otherwise)."""
+    """Keep slow/fast steps even where ``min_skip`` or ``min_gain`` say dense (and when the
+    context is shorter than S + K + R)."""
     overlap_selection: bool = True
     """On CUDA, run the Selector and the compact rebuild on a side stream; a row whose rebuild
     is not ready reads densely. No effect on CPU."""
@@ -190,6 +201,7 @@ class SFIConfig:
             _require_float("k_fraction", self.k_fraction, 0.0, 1.0, low_open=True)
         _require_int("evidence_window", self.evidence_window, 1)
         _require_int("min_skip", self.min_skip, 0)
+        _require_float("min_gain", self.min_gain, 1.0)
         for name in ("force_sparse", "overlap_selection", "draft_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise SFIConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -247,28 +259,34 @@ class SFIConfig:
             return self.k_head
         return math.ceil(self.k_fraction * context)
 
-    def sparse_pays(self, context: int) -> bool:
+    def sparse_pays(self, context: int, weight_positions: int = 0) -> bool:
         """Whether fast steps are on for a sequence of ``context`` real tokens: the cost model.
 
         A fast step must skip at least ``min_skip`` of the T entries per KV head (it reads
-        S + K + R); until then decoding stays dense, unless ``force_sparse`` asks for the
+        S + K + R), and read at least ``min_gain`` times fewer bytes than a dense step with the
+        model's weights, ``weight_positions`` (W, in KV positions; 0: not known, the KV alone)
+        counted in both; until then decoding stays dense, unless ``force_sparse`` asks for the
         slow/fast machinery anyway (used by the equivalence tests).
         """
         skipped = context - self.sink - self.budget(context) - self.recent
-        return self.force_sparse or skipped >= self.min_skip
+        kept = self.k_head if self.k_head is not None else self.k_fraction * context  # no
+        read = self.sink + kept + self.recent  # rounding: the margin grows with the context
+        gain_pays = weight_positions + context >= self.min_gain * (weight_positions + read)
+        return self.force_sparse or (skipped >= self.min_skip and gain_pays)
 
-    def sparse_from(self, limit: int = 1 << 24) -> int | None:
-        """The shortest context (real tokens) at which sparse decoding starts, None if none up
-        to ``limit`` does (a fractional budget too large for ``min_skip``). Bisection over
-        :meth:`sparse_pays`: the entries a fast step skips never fall as the context grows."""
+    def sparse_from(self, weight_positions: int = 0, limit: int = 1 << 24) -> int | None:
+        """The shortest context (real tokens) at which sparse decoding starts for a model whose
+        weights are ``weight_positions`` KV positions (see :meth:`sparse_pays`), None if none
+        up to ``limit`` does (a fractional budget too large for ``min_skip`` or ``min_gain``).
+        Bisection over :meth:`sparse_pays`: both margins only grow with the context."""
         if self.force_sparse:
             return 0
-        if not self.sparse_pays(limit):
+        if not self.sparse_pays(limit, weight_positions):
             return None
         low, high = self.sink + self.recent + self.min_skip, limit
         while low < high:
             mid = (low + high) // 2
-            low, high = (low, mid) if self.sparse_pays(mid) else (mid + 1, high)
+            low, high = (low, mid) if self.sparse_pays(mid, weight_positions) else (mid + 1, high)
         return low
 
     def to_dict(self) -> dict[str, Any]:
@@ -301,7 +319,7 @@ PAPER_PRESET: dict[str, Any] = dict(
     pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
     nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
     exclusivity_min_heads=3, pool_kernel=1, page_size=1, pin_fraction=0.0, hysteresis=0.0,
-    dense_layers=0, coverage_layers=0, min_skip=0,
+    dense_layers=0, coverage_layers=0, min_skip=0, min_gain=1.0,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {

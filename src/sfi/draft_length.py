@@ -22,39 +22,36 @@ def expected_tokens(gamma: int, acceptance: float) -> float:
 
 @dataclass
 class ForwardCost:
-    """Seconds of one forward over ``n`` positions per row, fitted to ``base + slope * n`` by
-    least squares over the forwards measured so far, each older one weighing ``decay`` times
-    the next. The fit keeps ``base >= 0`` and ``slope >= 0``; while a single ``n`` has been
-    measured it is that n's mean (no slope). A dense step is a forward over one position, a
-    verify of g drafts one over ``g + 1``: on memory-bound hardware the slope is near 0, on
-    a CPU whose products turn compute-bound at a few rows it is not (at 7,680 tokens x 4 rows
-    here, verifies of 3 / 5 / 7 positions took 334 / 392 / 454 ms)."""
+    """Seconds of one forward over ``n`` positions per row: a running average of the forwards
+    measured at each ``n`` (each new one weighing ``smoothing``; an ``n`` not measured again
+    keeps its average, so a long run of dense steps does not wash out the verifies), and
+    ``base + slope * n`` fitted by least squares through those averages, one point per ``n``,
+    keeping ``base >= 0`` and ``slope >= 0``; while a single ``n`` has been measured it is that
+    n's average (no slope). A dense step is a forward over one position, a verify of g drafts
+    one over ``g + 1`` (its fixed costs, the rewind and the commit, counted in its time): on
+    memory-bound hardware the slope is near 0, on a CPU whose products turn compute-bound at a
+    few rows it is not (at 7,680 tokens x 4 rows here, verifies of 3 / 5 / 7 positions took
+    334 / 392 / 454 ms)."""
 
-    decay: float = 0.7
-    weight: float = 0.0
-    sum_n: float = 0.0
-    sum_s: float = 0.0
-    sum_nn: float = 0.0
-    sum_ns: float = 0.0
+    smoothing: float = 0.3
+    seconds: dict[int, float] = field(default_factory=dict)  # n -> running average
 
     def record(self, n: int, seconds: float) -> None:
         """A forward over ``n`` positions per row took ``seconds``."""
-        d = self.decay
-        self.weight = self.weight * d + 1.0
-        self.sum_n = self.sum_n * d + n
-        self.sum_s = self.sum_s * d + seconds
-        self.sum_nn = self.sum_nn * d + n * n
-        self.sum_ns = self.sum_ns * d + n * seconds
+        old = self.seconds.get(n)
+        self.seconds[n] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def __call__(self, n: int) -> float | None:
         """The estimated seconds of a forward over ``n`` positions (None before any)."""
-        if self.weight == 0.0:
+        if not self.seconds:
             return None
-        mean_n, mean_s = self.sum_n / self.weight, self.sum_s / self.weight
-        spread = self.sum_nn / self.weight - mean_n * mean_n
-        if spread < 1e-3:
+        points = self.seconds.items()
+        mean_n = sum(self.seconds) / len(self.seconds)
+        mean_s = sum(self.seconds.values()) / len(self.seconds)
+        spread = sum((m - mean_n) ** 2 for m in self.seconds)
+        if spread == 0.0:
             return mean_s
-        slope = (self.sum_ns / self.weight - mean_n * mean_s) / spread
+        slope = sum((m - mean_n) * (s - mean_s) for m, s in points) / spread
         slope = min(max(slope, 0.0), mean_s / mean_n)  # base >= 0, slope >= 0
         return mean_s + slope * (n - mean_n)
 
@@ -103,7 +100,7 @@ class DraftLength:
         fallback = self.config.draft_fallback
         if limit < 1 or (fallback and (self.dense_s is None or self.dense_left > 0)):
             return 0
-        if self.draft_s is None or self.rounds == 0:
+        if self.rounds == 0:  # nothing measured to choose by yet
             return min(self.gamma, limit)
         low = min(self.config.draft_min, limit)
         best = max(range(low, limit + 1), key=lambda g: self.rate(g, acceptances))

@@ -39,17 +39,18 @@ def budget_tokens(budget: float, context: int) -> int:
     return int(budget)
 
 
-def sfi_config_for(capacity: int, base: SFIConfig | None = None, min_skip: int = 0
-                   ) -> SFIConfig:
+def sfi_config_for(capacity: int, base: SFIConfig | None = None, min_skip: int = 0,
+                   min_gain: float = 1.0) -> SFIConfig:
     """SFI's knobs for a budget of ``capacity`` tokens per KV head: the base's S sinks,
     R = min(base R, C / 2) recent, K = C - S - R selected (K = 0 when C leaves no room), and
-    ``min_skip`` (0: a comparison holds SFI to its budget at every context, as it holds the
-    baselines; the cost model's dense steps below the break-even would read the whole
-    context under the budget's name)."""
+    the cost model's ``min_skip`` and ``min_gain`` (0 and 1.0: a comparison holds SFI to its
+    budget at every context, as it holds the baselines; the cost model's dense steps below
+    the break-even would read the whole context under the budget's name)."""
     base = base or SFIConfig()
     recent = max(1, min(base.recent, capacity // 2))
     k = max(0, capacity - base.sink - recent)
-    return replace(base, recent=recent, k_head=k, k_fraction=None, min_skip=min_skip)
+    return replace(base, recent=recent, k_head=k, k_fraction=None, min_skip=min_skip,
+                   min_gain=min_gain)
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,9 @@ def build_cache(model: torch.nn.Module, tokenizer: Any, method: str | Method, *,
     Args:
         method: a name (see :func:`parse_method`) or a parsed :class:`Method`.
         config: SFI's knobs (a ``sfi:<preset>`` method takes its preset's instead); with a
-            ``budget`` only those other than K and R are taken, and ``min_skip`` only where
-            ``overrides`` or the method's name set it (else 0, :func:`sfi_config_for`).
+            ``budget`` only those other than K and R are taken, and ``min_skip`` and
+            ``min_gain`` only where ``overrides`` or the method's name set them (else 0 and
+            1.0, :func:`sfi_config_for`).
         budget: tokens per KV head C, as a fraction of ``context`` (<= 1) or tokens; required
             by the eviction baselines; for SFI it sets K and R (:func:`sfi_config_for`).
         context: the prompt's length, for a fractional budget.
@@ -155,7 +157,8 @@ def build_cache(model: torch.nn.Module, tokenizer: Any, method: str | Method, *,
     sfi_config = method.sfi_config(config, overrides)
     if limit is not None:
         named = {**(overrides or {}), **dict(method.fields)}  # a break-even asked for is kept
-        sfi_config = sfi_config_for(limit, sfi_config, named.get("min_skip", 0))
+        sfi_config = sfi_config_for(limit, sfi_config, named.get("min_skip", 0),
+                                    named.get("min_gain", 1.0))
     if scorer is None and method.scorer != "sfi":
         scorer = make_scorer(method.scorer, sfi_config)
     return SlowFastCache(model, sfi_config, tokenizer=tokenizer, scorer=scorer,

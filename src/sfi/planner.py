@@ -206,10 +206,10 @@ class Planner:
         self.layer_ids = tuple(layer_ids)
 
     def start(self, pads: Sequence[int], config: SFIConfig, trigger: TriggerFactory,
-              scorer: Scorer, dense_only: bool) -> None:
-        """Begin a batch whose rows have ``pads`` padding tokens each."""
-        self.sequences = [SequenceState(pad=int(p), config=config, trigger=trigger(config, row),
-                                        scorer=scorer, dense_only=dense_only)
+              scorer: Scorer, dense_only: bool, weight_positions: int = 0) -> None:
+        """Begin a batch whose rows have ``pads`` padding tokens each (W: sfi.cost_model)."""
+        self.sequences = [SequenceState(int(p), config, trigger(config, row), scorer, dense_only,
+                                        weight_positions=weight_positions)
                           for row, p in enumerate(pads)]
         self.compact_width = config.sink
 

@@ -100,6 +100,7 @@ class SequenceState:
     refresh_due: str | None = None  # exact mode: the next verify refreshes, for this reason
     holes: list[int] = field(default_factory=list)  # exact mode: slots left empty (sfi.visibility)
     acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # exact mode's drafts
+    weight_positions: int = 0  # the model's weights in KV positions (sfi.cost_model)
 
 
 def next_memory(seq: SequenceState, total: int) -> Memory:
@@ -117,7 +118,7 @@ def next_memory(seq: SequenceState, total: int) -> Memory:
 
 def sparse_pays(seq: SequenceState, total: int) -> bool:
     """Whether a step of ``seq`` at cache length ``total`` may read sparsely at all."""
-    return not seq.dense_only and seq.config.sparse_pays(total - seq.pad)
+    return not seq.dense_only and seq.config.sparse_pays(total - seq.pad, seq.weight_positions)
 
 
 def decode_decision(seq: SequenceState, token: int | None, total: int) -> tuple[str, str | None]:

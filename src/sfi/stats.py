@@ -37,7 +37,7 @@ class DecodeStats:
             prefix), and tokens the verifies committed (the accepted ones and one of full
             attention's own per verify).
         exact_dense_steps: exact mode's dense decode steps, taken where drafting cannot pay
-            (the measured step times and acceptance say so, ``sfi.exact.DraftLength``).
+            (the measured step times and acceptance say so, ``sfi.draft_length.DraftLength``).
     """
 
     slow_steps: int = 0

@@ -60,8 +60,8 @@ def plot_engines(result: dict[str, Any], path: str) -> None:
             points = sorted((r["context"], r["decode_tok_s"]) for r in rows
                             if (r["engine"], r["mode"]) == (engine, mode) and r["batch"] == batch)
             if points:
-                label = {"vllm": mode, "llama.cpp": f"llama.cpp, {mode} weights"}.get(
-                    engine, f"sfi engine, {mode}")
+                llama = "llama.cpp" if mode == "full" else f"llama.cpp, {mode} weights"
+                label = {"vllm": mode, "llama.cpp": llama}.get(engine, f"sfi engine, {mode}")
                 ax.plot(*zip(*points), marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")

@@ -8,7 +8,8 @@ mode continues that same prefix:
   baseline);
 - ``sfi``: slow-fast decoding with the given configuration, greedy on real text so that the
   sentence triggers fire at their natural rate;
-- ``sfi-fast-only``: the same with no refresh after the first selection (the ceiling);
+- ``sfi-fast-only``: the same with no refresh after the first selection, sparse at every
+  context (``force_sparse``: the fast step's ceiling, where the cost model would decode densely);
 - ``sfi-exact``: exact mode (``sfi.exact``: fast steps draft, dense forwards verify), real text
   only (acceptance is a property of the text); its row says whether its tokens equal
   ``full``'s of the same cell, its acceptance and its drafts per verify.
@@ -124,8 +125,8 @@ def benchmark_ids(tokenizer: Any, context: int, batch: int) -> torch.Tensor:
 def make_bench_cache(mode: str, model: torch.nn.Module, tokenizer: Any, config: SFIConfig,
                      prefix: KV, capacity: int) -> DecodeCache:
     """The cache of one bench mode, loaded with a copy of ``prefix``."""
-    if mode == "sfi-fast-only":  # no refresh after the first selection
-        config = replace(config, trigger="bootstrap", coverage_layers=0)
+    if mode == "sfi-fast-only":  # no refresh after the first selection, sparse wherever
+        config = replace(config, trigger="bootstrap", coverage_layers=0, force_sparse=True)
     method = "sfi" if mode.startswith("sfi") else mode
     cache = build_cache(model, tokenizer, method, config=config if method == "sfi" else None,
                         capacity=capacity)

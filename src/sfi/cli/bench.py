@@ -145,6 +145,15 @@ def bench_vllm_cmd(
 
     if own_kv not in OWN_KV:
         raise SFIError(f"--own-kv must be one of {', '.join(OWN_KV)}, got {own_kv!r}")
+    extra = [Path(p) for p in name_list("--gguf", gguf, None)] if gguf else []
+    for path in extra:  # checked before vLLM's import, which takes seconds
+        if not path.is_file():
+            raise SFIError(f"--gguf: no file {str(path)!r}")
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise SFIError(f"--gguf: {str(path)!r} is not a GGUF file")
+    if extra and llama_cpp is False:
+        raise SFIError("--gguf runs llama.cpp, which --no-llama-cpp turns off: pass one of them")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the results
     try:
         import vllm  # noqa: F401
@@ -165,10 +174,6 @@ def bench_vllm_cmd(
     import importlib.util
 
     ggufs: list[Path] = []
-    extra = [Path(p) for p in name_list("--gguf", gguf, None)] if gguf else []
-    for path in extra:
-        if not path.is_file():
-            raise SFIError(f"--gguf: no file {str(path)!r}")
     installed = importlib.util.find_spec("llama_cpp") is not None
     if (llama_cpp or extra) and not installed:
         raise SFIError("--llama-cpp and --gguf need llama-cpp-python "
@@ -180,6 +185,14 @@ def bench_vllm_cmd(
                            "nor a .gguf file; pass --no-llama-cpp")
         ggufs.append(own)
     ggufs += extra
+    from sfi.bench.vllm import gguf_weights
+
+    named: dict[str, Path] = {}
+    for path in ggufs:  # each llama.cpp row is named by its GGUF's weight type
+        other = named.setdefault(gguf_weights(path), path)
+        if other != path:
+            raise SFIError(f"llama.cpp would run {str(other)!r} and {str(path)!r}, which both "
+                           f"store {gguf_weights(path)} weights: their rows would share a name")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SFIError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if own_engine:

@@ -38,13 +38,14 @@ def _summary(result) -> str:
 
 def _dense_why(result) -> str:
     """Why an SFI decode had dense steps: its context was below S + K + R, or below the
-    break-even of the cost model (``SFIConfig.min_skip``)."""
+    break-even of the cost model (``SFIConfig.min_skip`` and ``min_gain``)."""
     if result.mode != "sfi" or not result.stats.dense_steps or result.config is None:
         return ""
-    start = result.config.sparse_from()
+    config = result.config
+    start = config.sparse_from(result.weight_positions)
     where = f"below {start:,} tokens" if start is not None else "at every context"
-    why = "sparse reads would not pay (min_skip)" if result.config.min_skip else \
-        "S + K + R covers the context"
+    why = "sparse reads would not pay (min_skip, min_gain)" \
+        if config.min_skip or config.min_gain > 1.0 else "S + K + R covers the context"
     return f"; dense {where}, where {why}"
 
 

@@ -24,6 +24,7 @@ from vllm.distributed import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 
+from sfi.cost_model import weight_positions
 from sfi.scorers.registry import make_scorer
 from sfi.triggers import token_classes
 from sfi.vllm.requests import (
@@ -137,10 +138,11 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
                 model.tokenizer, revision=model.tokenizer_revision,
                 trust_remote_code=model.trust_remote_code))
         _BOOKS.clear()  # a new configuration starts a new book
+        text = vllm_config.model_config.hf_text_config
         _BOOKS[generation] = RequestBook(
             config, active_slots(vllm_config.scheduler_config.max_num_seqs), capacity,
-            make_scorer("sfi", config), classes,
-            vllm_config.model_config.hf_text_config.num_hidden_layers)
+            make_scorer("sfi", config), classes, text.num_hidden_layers,
+            weight_positions(text))
     return _BOOKS[generation]
 
 

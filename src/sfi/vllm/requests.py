@@ -149,16 +149,20 @@ class RequestBook:
         scorer: what ranks positions at a refresh.
         classes: the vocabulary's sentence enders and blanks (the sentence trigger needs them).
         layers: the model's attention layers (where the coverage probes go: :attr:`probes`).
+        weight_positions: the model's weights in KV positions, the cost model's W
+            (``sfi.cost_model.weight_positions``, ``SFIConfig.min_gain``).
     """
 
     def __init__(self, config: SFIConfig, slots: int, capacity: int, scorer: Scorer,
-                 classes: TokenClasses | None = None, layers: int = 0) -> None:
+                 classes: TokenClasses | None = None, layers: int = 0,
+                 weight_positions: int = 0) -> None:
         if config.trigger == "sentence" and classes is None:
             raise SFIConfigError("the sentence trigger needs the vocabulary's token classes")
         self.config = config
         self.classes = classes
         self.capacity = capacity
         self.scorer = scorer
+        self.weight_positions = weight_positions
         self.requests: dict[int, RequestState] = {}
         self.slots = slots
         self.free = list(range(slots))[::-1]
@@ -213,7 +217,7 @@ class RequestBook:
         c = self.config
         seq = SequenceState(pad=0, config=c,
                             trigger=make_trigger(c, self.classes, self.stats.requests),
-                            scorer=self.scorer)
+                            scorer=self.scorer, weight_positions=self.weight_positions)
         state = RequestState(key=key, slot=slot, seq=seq, serial=next(_SERIALS))
         self.requests[key] = state
         self.stats.requests += 1

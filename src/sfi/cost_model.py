@@ -1,0 +1,45 @@
+"""The model's side of the cost model: how much a decode step reads besides the KV.
+
+``SFIConfig.sparse_pays`` decides per sequence whether fast steps pay; its ``min_gain`` rule
+weighs the KV a fast step skips against everything a step reads, and at batch 1 that is mostly
+the weights. :func:`weight_positions` counts them in KV positions, from the model's config, so
+that sfi's engine and the vLLM plugin count the same number and decide alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def weight_positions(model_or_config: Any) -> int:
+    """W of ``SFIConfig.min_gain``: the weights one decode step reads, in KV positions of the
+    same byte width (weight elements over the KV elements of one position: keys and values of
+    every layer and KV head).
+
+    Counted from the config of a decoder with gated MLPs (Llama, Qwen2/3, Mistral, Gemma): each
+    layer's query, key, value and output projections and its gate, up and down projections (a
+    mixture of experts counts the experts one token uses, and its shared expert), and the output
+    layer; the input embedding is read one row per token, and norms and biases are left out.
+    0 where the config lacks a field this count needs (the ``min_gain`` rule then weighs the KV
+    alone).
+    """
+    cfg = getattr(model_or_config, "config", model_or_config)
+    if hasattr(cfg, "get_text_config"):  # the text part of a multimodal config
+        cfg = cfg.get_text_config()
+    try:
+        hidden, layers = int(cfg.hidden_size), int(cfg.num_hidden_layers)
+        heads, vocab = int(cfg.num_attention_heads), int(cfg.vocab_size)
+        intermediate = int(cfg.intermediate_size)
+    except (AttributeError, TypeError):
+        return 0
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    experts = getattr(cfg, "num_experts_per_tok", None)
+    if experts:
+        expert = getattr(cfg, "moe_intermediate_size", None) or intermediate
+        shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
+        intermediate = int(experts) * int(expert) + int(shared)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * intermediate
+    per_position = 2 * layers * kv_heads * head_dim
+    return (layers * (attention + mlp) + vocab * hidden) // per_position
