@@ -3,12 +3,32 @@
 ``SFIConfig.sparse_pays`` decides per sequence whether fast steps pay; its ``min_gain`` rule
 weighs the KV a fast step skips against everything a step reads, and at batch 1 that is mostly
 the weights. :func:`weight_positions` counts them in KV positions, from the model's config, so
-that sfi's engine and the vLLM plugin count the same number and decide alike.
+that sfi's engine and the vLLM plugin count the same number and decide alike; the shapes it
+reads (:func:`text_config`, :func:`head_dim`, :func:`kv_elements_per_position`) serve the
+benchmarks' byte counts too.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+
+def text_config(model_or_config: Any) -> Any:
+    """The text part of a model's config (itself for text-only models)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head_dim(cfg: Any) -> int:
+    """The width of one attention head of a (text) config."""
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def kv_elements_per_position(model_or_config: Any) -> int:
+    """The numbers one cached position holds: keys and values of every layer and KV head."""
+    cfg = text_config(model_or_config)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return 2 * int(cfg.num_hidden_layers) * int(kv_heads) * head_dim(cfg)
 
 
 def weight_positions(model_or_config: Any) -> int:
@@ -23,9 +43,7 @@ def weight_positions(model_or_config: Any) -> int:
     0 where the config lacks a field this count needs (the ``min_gain`` rule then weighs the KV
     alone).
     """
-    cfg = getattr(model_or_config, "config", model_or_config)
-    if hasattr(cfg, "get_text_config"):  # the text part of a multimodal config
-        cfg = cfg.get_text_config()
+    cfg = text_config(model_or_config)
     try:
         hidden, layers = int(cfg.hidden_size), int(cfg.num_hidden_layers)
         heads, vocab = int(cfg.num_attention_heads), int(cfg.vocab_size)
@@ -33,13 +51,12 @@ def weight_positions(model_or_config: Any) -> int:
     except (AttributeError, TypeError):
         return 0
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    width = head_dim(cfg)
     experts = getattr(cfg, "num_experts_per_tok", None)
     if experts:
         expert = getattr(cfg, "moe_intermediate_size", None) or intermediate
         shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
         intermediate = int(experts) * int(expert) + int(shared)
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    attention = hidden * width * (2 * heads + 2 * kv_heads)
     mlp = 3 * hidden * intermediate
-    per_position = 2 * layers * kv_heads * head_dim
-    return (layers * (attention + mlp) + vocab * hidden) // per_position
+    return (layers * (attention + mlp) + vocab * hidden) // kv_elements_per_position(cfg)

@@ -45,13 +45,12 @@ class ForwardCost:
         """The estimated seconds of a forward over ``n`` positions (None before any)."""
         if not self.seconds:
             return None
-        points = self.seconds.items()
         mean_n = sum(self.seconds) / len(self.seconds)
         mean_s = sum(self.seconds.values()) / len(self.seconds)
         spread = sum((m - mean_n) ** 2 for m in self.seconds)
         if spread == 0.0:
             return mean_s
-        slope = sum((m - mean_n) * (s - mean_s) for m, s in points) / spread
+        slope = sum((m - mean_n) * (s - mean_s) for m, s in self.seconds.items()) / spread
         slope = min(max(slope, 0.0), mean_s / mean_n)  # base >= 0, slope >= 0
         return mean_s + slope * (n - mean_n)
 

@@ -22,15 +22,10 @@ import torch
 
 from sfi.attention import ATTENTION_NAME, register_attention
 from sfi.context import enter_step, leave_step
+from sfi.cost_model import text_config
 from sfi.errors import UnsupportedModelError
 
 _LOCK = threading.Lock()
-
-
-def text_config(model_or_config: Any) -> Any:
-    """The text part of a model's config (itself for text-only models)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 @functools.lru_cache(maxsize=64)

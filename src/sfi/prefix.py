@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from sfi.caches import KV, DecodeCache, FullCache
+from sfi.cost_model import head_dim, text_config
 from sfi.decode import PREFILL_CHUNK, prefill
 from sfi.eviction.cache import prefill_with_history
-from sfi.hf import text_config
 
 
 @torch.inference_mode()
@@ -21,9 +21,8 @@ def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool,
     ``on_progress(done, total)`` when given), or random tensors of the right shape."""
     cfg = text_config(model)
     if synthetic:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
-        shape = (ids.shape[0], cfg.num_key_value_heads, ids.shape[1], head_dim)
+        shape = (ids.shape[0], cfg.num_key_value_heads, ids.shape[1], head_dim(cfg))
         gen = torch.Generator(device=param.device).manual_seed(0)
         return [(torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype),
                  torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype))

@@ -31,10 +31,11 @@ import torch
 
 from sfi.caches import KV, DecodeCache
 from sfi.config import SFIConfig
+from sfi.cost_model import kv_elements_per_position
 from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
 from sfi.exact import ExactDecoder
-from sfi.hf import context_length, text_config
+from sfi.hf import context_length
 from sfi.layout import PackedLinear
 from sfi.methods import build_cache
 from sfi.prefix import prefix_kv
@@ -104,11 +105,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def kv_bytes_per_entry(model: torch.nn.Module, element: int | None = None) -> int:
     """Bytes of one cached position across all layers and KV heads (keys and values) of a
     model or its config, ``element`` bytes per number (default: the model's weights')."""
-    cfg = text_config(model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if element is None:
         element = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element
+    return kv_elements_per_position(model) * element
 
 
 def benchmark_ids(tokenizer: Any, context: int, batch: int) -> torch.Tensor:

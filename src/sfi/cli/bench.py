@@ -189,10 +189,10 @@ def bench_vllm_cmd(
 
     named: dict[str, Path] = {}
     for path in ggufs:  # each llama.cpp row is named by its GGUF's weight type
-        other = named.setdefault(gguf_weights(path), path)
-        if other != path:
+        weights = gguf_weights(path)
+        if (other := named.setdefault(weights, path)) != path:
             raise SFIError(f"llama.cpp would run {str(other)!r} and {str(path)!r}, which both "
-                           f"store {gguf_weights(path)} weights: their rows would share a name")
+                           f"store {weights} weights: their rows would share a name")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SFIError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if own_engine:
