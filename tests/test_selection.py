@@ -210,7 +210,7 @@ def test_page_summaries_follow_the_cache_as_it_grows():
 
 
 def test_a_memory_missing_a_heavy_page_is_flagged():
-    from sfi.coverage import missing_rows, probe_layers
+    from sfi.coverage import CoverageChecks, page_scores, probe_layers, unheld_pages
     from sfi.pages import page_bounds
 
     g = torch.Generator().manual_seed(9)
@@ -233,13 +233,26 @@ def test_a_memory_missing_a_heavy_page_is_flagged():
                 in_memory[row, head, (start // page) * page: (start // page + 1) * page] = True
     in_memory[..., 36:] = True  # the recent window
     lse = torch.logsumexp(logits.masked_fill(~in_memory[:, :, None], float("-inf")), dim=-1)
-    missed = missing_rows(query, keys, torch.arange(n), low, high, memory, held, lo, hi, lse,
-                          page=page, top=2, threshold=0.3, scale=scale)
-    assert missed.tolist() == [False, True]
+    outside = unheld_pages(memory, held, lo, hi, pages=pages, page=page)
+    scores = page_scores(query, (high + low) / 2, (high - low) / 2, outside)
+    quiet = torch.zeros_like(scores).masked_fill(~outside, float("-inf"))  # a layer that misses
+    quiet_lse = lse + 50  # nothing: its memory outweighs any page
+
+    def flagged(threshold: float, layers: int) -> set[int]:
+        checks = CoverageChecks()
+        for layer in range(layers):  # the heavy page is seen by the last layer only
+            last = layer == layers - 1
+            checks.add((0, 1), torch.arange(n), query, scores if last else quiet, keys,
+                       lse if last else quiet_lse, page=page, top=2, threshold=threshold,
+                       scale=scale, softcap=None)
+        missing = checks.missing()
+        assert checks.missing() == set()  # checked once
+        return missing
+
+    assert flagged(0.3, layers=1) == {1}
+    assert flagged(0.3, layers=3) == {1}  # any probe layer's miss flags the row
     # with a threshold above what the heavy page takes, nothing is flagged
-    relaxed = missing_rows(query, keys, torch.arange(n), low, high, memory, held, lo, hi, lse,
-                           page=page, top=2, threshold=0.9999, scale=scale)
-    assert relaxed.tolist() == [False, False]
+    assert flagged(0.9999, layers=1) == set()
     assert probe_layers(2, list(range(24)), dense_layers=2) == (7, 18)
     assert probe_layers(3, [0, 1], dense_layers=0) == (0, 1)
 

@@ -116,6 +116,7 @@ class SlowFastCache(Cache):
         self.rebuilder.flush()  # the forward's refreshes, stacked over its layers
         for layer in self._sfi_layers():
             layer.settle()  # commit what is ready (inside the forward's inference mode)
+        step.missed.update(step.coverage.missing())
         self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
         self._kinds = self.planner.executed_kinds(plan, step.lagged)
 

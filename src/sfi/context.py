@@ -14,6 +14,8 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
 
+from sfi.coverage import CoverageChecks
+
 
 @dataclass
 class StepContext:
@@ -25,6 +27,7 @@ class StepContext:
         rebuilder: where slow steps' selections are computed (inline, or a CUDA side stream).
         lagged: per row, how many layers read densely although the row was planned fast (its
             rebuild was not ready); filled in by the layers while the step runs.
+        coverage: the probe layers' page scores, checked together when the forward ends.
         missed: rows whose fast memory a probe layer found missing a page the query bounds
             highly (``sfi.coverage``): they refresh at their next step.
     """
@@ -33,6 +36,7 @@ class StepContext:
     plan: Any = None
     rebuilder: Any = None
     lagged: dict[int, int] = field(default_factory=dict)
+    coverage: CoverageChecks = field(default_factory=CoverageChecks)
     missed: set[int] = field(default_factory=set)
 
     def layer(self, layer_idx: int) -> Any:

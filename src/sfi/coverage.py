@@ -20,6 +20,8 @@ Shapes: n rows, H KV heads, G query heads per KV head, P pages, D head size, C c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,37 +41,87 @@ def probe_layers(count: int, layer_ids: Sequence[int], dense_layers: int) -> tup
     return tuple(sparse[int((j + 0.5) * len(sparse) / count)] for j in range(count))
 
 
-def missing_rows(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
-                 centre: torch.Tensor, radius: torch.Tensor, memory: torch.Tensor,
-                 held: torch.Tensor,
-                 lo: torch.Tensor, hi: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
-                 threshold: float, scale: float, softcap: float | None = None,
-                 shift: torch.Tensor | None = None,
-                 outside: torch.Tensor | None = None) -> torch.Tensor:
-    """``[n]`` bool: rows whose fast memory misses attention mass (see the module docstring).
+def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor],
+                 keys: Sequence[torch.Tensor], rows: torch.Tensor,
+                 lse: Sequence[torch.Tensor], *, page: int, top: int, threshold: float,
+                 scale: float, softcap: float | None = None,
+                 shift: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n]`` bool: rows whose fast memory misses attention mass at some of L probe layers
+    (see the module docstring), the layers checked together.
 
     Args:
-        query: ``[n, H, G, D]``; keys: ``[B, H, T, D]`` the cached keys of the whole batch,
-            of which these are the ``rows [n]``; centre, radius: ``[n, H, P, D]`` the per-page
-            key boxes (``(max + min) / 2``, ``(max - min) / 2``).
-        memory: ``[n, H, C]`` the compact slots' positions; held: ``[n, C]`` bool, the slots
-            that hold a selected position.
-        lo, hi: ``[n]`` the middle region [lo, hi) of each row.
-        lse: ``[n, H, G]`` log-sum-exp of the fast step's logits over its memory.
+        queries: L tensors ``[n, H, G, D]``, each probe layer's queries of these rows.
+        scores: L tensors ``[n, H, P]``, their :func:`page_scores`.
+        keys: L tensors ``[B, H, T, D]``, each layer's cached keys of the whole batch, of which
+            these are the ``rows [n]``.
+        lse: L tensors ``[n, H, G]``, the log-sum-exp of each layer's fast logits over its
+            memory.
         shift: ``[n]`` where each row's pages start (:func:`sfi.pages.page_shift`; None: at
             position 0).
-        outside: ``[n, H, P]`` :func:`unheld_pages` of these rows when the caller keeps it
-            between refreshes (None: computed here).
     """
-    t = keys.shape[-2]
-    if outside is None:
-        outside = unheld_pages(memory, held, lo, hi, pages=centre.shape[2], page=page,
-                               shift=shift)
-    positions, real = best_pages(query, centre, radius, outside, page=page, top=top, length=t,
-                                 shift=shift)
-    heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
-    chosen = keys[rows[:, None, None], heads, positions]  # [n, H, m * P, D]: only those pages
-    return misses(query, chosen, real, lse, threshold=threshold, scale=scale, softcap=softcap)
+    layers, n = len(queries), rows.shape[0]
+    shifts = shift.repeat(layers) if shift is not None else None
+    positions, real = top_pages(torch.cat(list(scores)), page=page, top=top,
+                                length=keys[0].shape[-2], shift=shifts)  # [L * n, H, m * P]
+    heads = torch.arange(keys[0].shape[1], device=rows.device)[None, :, None]
+    chosen = torch.cat([layer_keys[rows[:, None, None], heads, positions[i * n:(i + 1) * n]]
+                        for i, layer_keys in enumerate(keys)])  # [L * n, H, m * P, D]
+    missed = misses(torch.cat(list(queries)), chosen, real, torch.cat(list(lse)),
+                    threshold=threshold, scale=scale, softcap=softcap)
+    return missed.view(layers, n).any(dim=0)
+
+
+@dataclass
+class _ProbeGroup:
+    """Probe layers of one step that check the same rows the same way."""
+
+    rows: tuple[int, ...]
+    index: torch.Tensor
+    shift: torch.Tensor | None
+    queries: list[torch.Tensor] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    lse: list[torch.Tensor] = field(default_factory=list)
+
+
+class CoverageChecks:
+    """The coverage probes of one forward pass, checked together when it ends.
+
+    A probe layer scores the pages while its queries are at hand (:meth:`add`); the keys of the
+    best pages, their attention share and the verdict are computed for all probe layers at once
+    (:meth:`missing`), which gives the same rows as checking layer by layer with a fixed number
+    of small tensor operations per step instead of per probe layer (on CPU their fixed costs
+    outweigh their arithmetic). The flags only act at the rows' next step.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[Any, ...], _ProbeGroup] = {}
+
+    def add(self, rows: tuple[int, ...], index: torch.Tensor, query: torch.Tensor,
+            scores: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
+            threshold: float, scale: float, softcap: float | None,
+            shift: torch.Tensor | None = None, aligned: tuple[int, ...] | None = None) -> None:
+        """One probe layer's evidence: ``rows`` (``index [n]`` on the device) with their
+        ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the layer's
+        ``keys [B, H, T, D]`` and fast ``lse [n, H, G]``; ``shift [n]`` where their pages
+        start, ``aligned`` the same as Python ints (None: at position 0)."""
+        key = (rows, page, top, threshold, scale, softcap, scores.shape[-1], aligned)
+        group = self._groups.setdefault(key, _ProbeGroup(rows, index, shift))
+        group.queries.append(query)
+        group.scores.append(scores)
+        group.keys.append(keys)
+        group.lse.append(lse)
+
+    def missing(self) -> set[int]:
+        """The rows some probe layer found their memory missing mass for (and forget them)."""
+        flagged: set[int] = set()
+        for (rows, page, top, threshold, scale, softcap, *_), group in self._groups.items():
+            missed = missing_rows(group.queries, group.scores, group.keys, group.index,
+                                  group.lse, page=page, top=top, threshold=threshold,
+                                  scale=scale, softcap=softcap, shift=group.shift)
+            flagged.update(r for r, miss in zip(rows, missed.tolist()) if miss)
+        self._groups.clear()
+        return flagged
 
 
 def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -90,23 +142,37 @@ def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi:
     return middle[:, None, :] & ~in_memory[..., :pages]
 
 
-def best_pages(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
-               outside: torch.Tensor, *, page: int, top: int, length: int,
-               shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions of the ``top`` pages among ``outside [n, H, P]`` (:func:`unheld_pages`)
-    whose keys the query bounds highest, per KV head: ``([n, H, m * P], [n, H, m * P] bool,
-    the real ones)`` (m = min(top, pages); where fewer than m pages are left to choose, the
-    rest are not real and their positions are any of the ``length``). A page of ``outside``
-    lies wholly inside its row's middle region, so a real page's positions lie in the cache.
-    Shapes as :func:`missing_rows`."""
-    pages = centre.shape[2]
-    scores = box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
-    best = torch.topk(scores, min(top, pages), dim=-1)  # [n, H, m]
-    positions = best.indices[..., None] * page + torch.arange(page, device=centre.device)
+def page_scores(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
+                outside: torch.Tensor) -> torch.Tensor:
+    """``[n, H, P]`` each page's bound on ``query [n, H, G, D]``'s logits against its keys
+    (summed over the G query heads of each KV head; ``centre``, ``radius`` ``[n, H, P, D]``
+    the page boxes), -inf for the pages not in ``outside [n, H, P]`` (:func:`unheld_pages`)."""
+    return box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
+
+
+def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int,
+              shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of the ``top`` best of ``scores [n, H, P]`` (:func:`page_scores`) per KV
+    head: ``([n, H, m * P], [n, H, m * P] bool, the real ones)`` (m = min(top, pages); where
+    fewer than m pages were left to choose, the rest are not real and their positions are any
+    of the ``length``). A page left to choose lies wholly inside its row's middle region, so a
+    real page's positions lie in the cache. ``shift [n]``: where each row's pages start."""
+    best = torch.topk(scores, min(top, scores.shape[-1]), dim=-1)  # [n, H, m]
+    positions = best.indices[..., None] * page + torch.arange(page, device=scores.device)
     if shift is not None:
         positions = positions - shift[:, None, None, None]
     real = torch.isfinite(best.values).repeat_interleave(page, dim=-1)  # [n, H, m * P]
     return positions.clamp(0, length - 1).flatten(2), real
+
+
+def best_pages(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
+               outside: torch.Tensor, *, page: int, top: int, length: int,
+               shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_pages` of :func:`page_scores`: the positions of the ``top`` pages among
+    ``outside [n, H, P]`` whose keys ``query [n, H, G, D]`` bounds highest, and which are
+    real."""
+    return top_pages(page_scores(query, centre, radius, outside), page=page, top=top,
+                     length=length, shift=shift)
 
 
 def misses(query: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor, lse: torch.Tensor, *,

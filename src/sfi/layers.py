@@ -24,7 +24,7 @@ import torch
 
 from sfi.attention import AttendingLayer
 from sfi.context import StepContext, current_step
-from sfi.coverage import missing_rows, unheld_pages
+from sfi.coverage import page_scores, unheld_pages
 from sfi.errors import SFIError
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh
@@ -154,24 +154,24 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
     def _probe_coverage(self, step: StepContext, plan: StepPlan, probe: Probe,
                         q: torch.Tensor, fast_lse: torch.Tensor, scale: float,
                         softcap: float | None) -> None:
-        """Flag the probe's rows whose fast memory misses attention mass (``sfi.coverage``);
-        they refresh at their next step. ``fast_lse [n_fast, H, G]``: the fast rows' memory
-        log-sum-exp."""
+        """Score the pages outside the probe's rows' fast memories for ``step.coverage``, which
+        checks every probe layer of the step together when it ends and flags the rows whose
+        memory misses attention mass (``sfi.coverage``): they refresh at their next step.
+        ``fast_lse [n_fast, H, G]``: the fast rows' memory log-sum-exp."""
         target = probe.target
         rows = target.rows
-        if step.missed.issuperset(rows.indices):  # an earlier probe layer flagged them all
-            return
         centre, radius = self.page_geometry(probe.page, probe.shift, probe.aligned,
                                             target.reach)
         memory = rows.take(self.compact_positions[:, :, : plan.compact_width])
         shift = rows.take(probe.shift) if probe.shift is not None else None
-        missed = missing_rows(
-            rows.take(q), self.keys, rows.index, rows.take(centre), rows.take(radius), memory,
-            target.held, target.lo, target.hi, fast_lse.index_select(0, target.fast_index),
-            page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
-            softcap=softcap, shift=shift,
-            outside=self._unheld_pages(probe, memory, shift, centre.shape[2]))
-        step.missed.update(r for r, miss in zip(rows.indices, missed.tolist()) if miss)
+        query = rows.take(q)
+        outside = self._unheld_pages(probe, memory, shift, centre.shape[2])
+        step.coverage.add(
+            rows.indices, rows.index, query,
+            page_scores(query, rows.take(centre), rows.take(radius), outside), self.keys,
+            fast_lse.index_select(0, target.fast_index), page=probe.page, top=probe.top,
+            threshold=probe.threshold, scale=scale, softcap=softcap, shift=shift,
+            aligned=probe.aligned)
 
     def _unheld_pages(self, probe: Probe, memory: torch.Tensor, shift: torch.Tensor | None,
                       pages: int) -> torch.Tensor:
