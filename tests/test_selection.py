@@ -211,7 +211,7 @@ def test_page_summaries_follow_the_cache_as_it_grows():
 
 def test_a_memory_missing_a_heavy_page_is_flagged():
     from sfi.coverage import CoverageChecks, page_scores, probe_layers, unheld_pages
-    from sfi.pages import page_bounds
+    from sfi.pages import page_bounds, page_boxes
 
     g = torch.Generator().manual_seed(9)
     n, h, gq, d, page, pages = 2, 2, 3, 8, 4, 10
@@ -234,7 +234,7 @@ def test_a_memory_missing_a_heavy_page_is_flagged():
     in_memory[..., 36:] = True  # the recent window
     lse = torch.logsumexp(logits.masked_fill(~in_memory[:, :, None], float("-inf")), dim=-1)
     outside = unheld_pages(memory, held, lo, hi, pages=pages, page=page)
-    scores = page_scores(query, (high + low) / 2, (high - low) / 2, outside)
+    scores = page_scores(query, page_boxes(low, high), outside)
     quiet = torch.zeros_like(scores).masked_fill(~outside, float("-inf"))  # a layer that misses
     quiet_lse = lse + 50  # nothing: its memory outweighs any page
 

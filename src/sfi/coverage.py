@@ -142,12 +142,12 @@ def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi:
     return middle[:, None, :] & ~in_memory[..., :pages]
 
 
-def page_scores(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
-                outside: torch.Tensor) -> torch.Tensor:
+def page_scores(query: torch.Tensor, boxes: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
     """``[n, H, P]`` each page's bound on ``query [n, H, G, D]``'s logits against its keys
-    (summed over the G query heads of each KV head; ``centre``, ``radius`` ``[n, H, P, D]``
-    the page boxes), -inf for the pages not in ``outside [n, H, P]`` (:func:`unheld_pages`)."""
-    return box_scores(query, centre, radius).masked_fill(~outside, float("-inf"))
+    (summed over the G query heads of each KV head; ``boxes [n, H, P, 2 D]``,
+    :func:`sfi.pages.page_boxes`), -inf for the pages not in ``outside [n, H, P]``
+    (:func:`unheld_pages`)."""
+    return box_scores(query, boxes).masked_fill(~outside, float("-inf"))
 
 
 def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int,
@@ -165,13 +165,13 @@ def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int,
     return positions.clamp(0, length - 1).flatten(2), real
 
 
-def best_pages(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
-               outside: torch.Tensor, *, page: int, top: int, length: int,
+def best_pages(query: torch.Tensor, boxes: torch.Tensor, outside: torch.Tensor, *, page: int,
+               top: int, length: int,
                shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`top_pages` of :func:`page_scores`: the positions of the ``top`` pages among
     ``outside [n, H, P]`` whose keys ``query [n, H, G, D]`` bounds highest, and which are
     real."""
-    return top_pages(page_scores(query, centre, radius, outside), page=page, top=top,
+    return top_pages(page_scores(query, boxes, outside), page=page, top=top,
                      length=length, shift=shift)
 
 

@@ -160,15 +160,14 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         ``fast_lse [n_fast, H, G]``: the fast rows' memory log-sum-exp."""
         target = probe.target
         rows = target.rows
-        centre, radius = self.page_geometry(probe.page, probe.shift, probe.aligned,
-                                            target.reach)
+        boxes = self.page_boxes(probe.page, probe.shift, probe.aligned, target.reach)
         memory = rows.take(self.compact_positions[:, :, : plan.compact_width])
         shift = rows.take(probe.shift) if probe.shift is not None else None
         query = rows.take(q)
-        outside = self._unheld_pages(probe, memory, shift, centre.shape[2])
+        outside = self._unheld_pages(probe, memory, shift, boxes.shape[2])
         step.coverage.add(
             rows.indices, rows.index, query,
-            page_scores(query, rows.take(centre), rows.take(radius), outside), self.keys,
+            page_scores(query, rows.take(boxes), outside), self.keys,
             fast_lse.index_select(0, target.fast_index), page=probe.page, top=probe.top,
             threshold=probe.threshold, scale=scale, softcap=softcap, shift=shift,
             aligned=probe.aligned)

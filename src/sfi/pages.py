@@ -52,6 +52,13 @@ def page_bounds(keys: torch.Tensor, page: int, shift: torch.Tensor | None = None
     return low, high
 
 
+def page_boxes(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """``[..., P, 2 D]`` each page's box from its bounds ``low``, ``high`` ``[..., P, D]``: its
+    centre ``(high + low) / 2`` then its radius ``(high - low) / 2``, side by side, so that a
+    bound on ``q . k`` reads one tensor (``sfi.scorers.quest.box_scores``)."""
+    return torch.cat([(high + low) / 2, (high - low) / 2], dim=-1)
+
+
 def pages_of(length: int, page: int, shift: torch.Tensor | None, b: int,
              device: torch.device) -> torch.Tensor:
     """``[B, T]`` the page that holds each position of each row."""

@@ -22,7 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sfi.errors import SFIError
 from sfi.overlap import StagedCompact
-from sfi.pages import page_bounds, page_count
+from sfi.pages import page_bounds, page_boxes, page_count
 from sfi.planner import SlowRows
 from sfi.rows import Rows
 from sfi.scorers import key_norms_of
@@ -33,16 +33,16 @@ _COMPACT = ("compact_keys", "compact_values", "compact_positions")  # [rows, H, 
 
 @dataclass
 class _PageSummaries:
-    """Per-page key boxes of one layer, ``[B, H, room, D]`` each, filled up to ``count`` pages
-    (``done`` positions summarised)."""
+    """Per-page key bounds of one layer, ``[B, H, room, D]`` each, and their boxes
+    (``sfi.pages.page_boxes``, ``[B, H, room, 2 D]``), filled up to ``count`` pages (``done``
+    positions summarised)."""
 
     page: int
     shift: tuple[int, ...] | None  # where each row's pages start (sfi.pages); None: at 0
     done: int
     low: torch.Tensor
     high: torch.Tensor
-    centre: torch.Tensor
-    radius: torch.Tensor
+    boxes: torch.Tensor
     count: int = 0
 
     @property
@@ -193,16 +193,16 @@ class SlabLayer(CacheLayerMixin):
         n = pages.count
         return pages.low[:, :, :n], pages.high[:, :, :n]
 
-    def page_geometry(self, page: int, shift: torch.Tensor | None = None,
-                      aligned: tuple[int, ...] | None = None, upto: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(centre, radius)`` ``[B, H, P, D]`` of the same boxes, ``(high + low) / 2`` and
-        ``(high - low) / 2``: what bounding ``q . k`` reads (``sfi.scorers.quest``).
+    def page_boxes(self, page: int, shift: torch.Tensor | None = None,
+                   aligned: tuple[int, ...] | None = None, upto: int | None = None
+                   ) -> torch.Tensor:
+        """``[B, H, P, 2 D]`` the same pages' boxes (``sfi.pages.page_boxes``: centre, then
+        radius): what bounding ``q . k`` reads (``sfi.scorers.quest.box_scores``).
         ``aligned``: ``shift`` as Python ints; ``upto``: only pages ending by this position are
         wanted (where a probe's middle regions end: no new page to summarise at a fast step)."""
         pages = self._summarise(page, shift, aligned, upto)
         n = pages.count
-        return pages.centre[:, :, :n], pages.radius[:, :, :n]
+        return pages.boxes[:, :, :n]
 
     def _summarise(self, page: int, shift: torch.Tensor | None,
                    aligned: tuple[int, ...] | None = None,
@@ -222,13 +222,12 @@ class SlabLayer(CacheLayerMixin):
             low = self._keys.new_full((b, h, room, d), float("inf"), dtype=torch.float32)
             pages = self._pages = _PageSummaries(
                 page, aligned, 0, low, torch.full_like(low, float("-inf")),
-                torch.zeros_like(low), torch.zeros_like(low))
+                low.new_zeros(b, h, room, 2 * d))
         first = pages.done // page  # the page that was partial last time, and those after it
         new_low, new_high = page_bounds(self.keys[:, :, :t], page, shift, first)
         pages.low[:, :, first:count] = new_low
         pages.high[:, :, first:count] = new_high
-        pages.centre[:, :, first:count] = (new_high + new_low) / 2
-        pages.radius[:, :, first:count] = (new_high - new_low) / 2
+        pages.boxes[:, :, first:count] = page_boxes(new_low, new_high)
         pages.done, pages.count = t, count
         return pages
 

@@ -15,27 +15,28 @@ from dataclasses import dataclass
 import torch
 
 from sfi.errors import SFIError
-from sfi.pages import page_bounds, page_shift, pages_of
+from sfi.pages import page_bounds, page_boxes, page_shift, pages_of
 from sfi.scorers import Evidence
 
 
 def page_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """``query [B, H, G, D]`` and page bounds ``[B, H, P, D]`` -> ``[B, H, P]``, the upper bound
     of q.k in each page summed over the G query heads (see :func:`box_scores`)."""
-    return box_scores(query, (high + low) / 2, (high - low) / 2)
+    return box_scores(query, page_boxes(low, high))
 
 
-def box_scores(query: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
-    """:func:`page_scores` from the boxes' ``centre`` and ``radius`` ``[B, H, P, D]``.
+def box_scores(query: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """:func:`page_scores` from the pages' ``boxes [B, H, P, 2 D]`` (:func:`sfi.pages.page_boxes`:
+    centre, then radius).
 
     ``max(q m, q M) = q (m + M) / 2 + |q| (M - m) / 2`` per channel, so the sum over the G
-    heads is two matrix-vector products per page (no [G, P, D] intermediate); ``einsum``, as
-    batched matrix-vector products run 4-5x faster here than ``matmul`` with a [D, 1] operand
-    on CPU."""
+    heads is one matrix-vector product per page against ``[sum_g q, sum_g |q|]`` (no
+    [G, P, D] intermediate); ``einsum``, as batched matrix-vector products run 4-5x faster here
+    than ``matmul`` with a [2 D, 1] operand on CPU, and one product over the boxes side by side
+    ran 1.25x faster than one each over centres and radii."""
     q = query.float()
-    summed, spread = q.sum(dim=2), q.abs().sum(dim=2)  # [B, H, D]
-    return (torch.einsum("bhpd,bhd->bhp", centre, summed)
-            + torch.einsum("bhpd,bhd->bhp", radius, spread))
+    both = torch.cat([q.sum(dim=2), q.abs().sum(dim=2)], dim=-1)  # [B, H, 2 D]
+    return torch.einsum("bhpe,bhe->bhp", boxes, both)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 
 from sfi.coverage import DEFAULT_PAGE, best_pages, misses, unheld_pages
 from sfi.kernels import attention_logits
-from sfi.pages import page_bounds
+from sfi.pages import page_bounds, page_boxes
 from sfi.scorers import key_norms_of
 from sfi.selection import SelectionRule
 from sfi.vllm.metadata import SFIMetadata
@@ -64,7 +64,7 @@ class SlotCoverage:
         low, high: ``[1, H, P, D]`` the element-wise bounds of the request's pages, of which
             ``done`` positions are summarised (kept from refresh to refresh: only the pages
             written since are summarised again).
-        centre, radius: ``[1, H, P, D]`` the boxes, ``(high + low) / 2``, ``(high - low) / 2``.
+        boxes: ``[1, H, P, 2 D]`` the pages' boxes (``sfi.pages.page_boxes``).
         outside: ``[1, H, P]`` the middle region's pages the memory holds nothing of (the
             pages a probe may ask for, fixed until the next refresh).
     """
@@ -72,8 +72,7 @@ class SlotCoverage:
     low: torch.Tensor
     high: torch.Tensor
     done: int
-    centre: torch.Tensor
-    radius: torch.Tensor
+    boxes: torch.Tensor
     outside: torch.Tensor
 
 
@@ -234,7 +233,7 @@ class SFIImpl:
             q = query[md.query_start[plan.row]].view(1, h, -1, d)  # [1, H, G, D]
             keys = read_prefix(memory_keys, md.fast_blocks[i], plan.length, layout.keys)
             lse = torch.logsumexp(attention_logits(q, keys[None], self.scale, softcap), dim=-1)
-            positions, real = best_pages(q, held.centre, held.radius, held.outside,
+            positions, real = best_pages(q, held.boxes, held.outside,
                                          page=_probe_page(c), top=c.coverage_top,
                                          length=plan.total)
             chosen = read_positions(cache_keys, md.block_table[plan.row], positions[0],
@@ -279,7 +278,7 @@ def _slot_coverage(previous: SlotCoverage | None, keys: torch.Tensor, selected: 
                            torch.tensor([memory.recent_start], device=device),
                            pages=low.shape[2], page=page)
     return SlotCoverage(low=low, high=high, done=t,
-                        centre=(high + low) / 2, radius=(high - low) / 2, outside=outside)
+                        boxes=page_boxes(low, high), outside=outside)
 
 
 def _layer_index(layer: Any) -> int:
