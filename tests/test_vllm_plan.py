@@ -26,6 +26,7 @@ from sfi.vllm.paged import (
     empty_like_cache,
     memory_positions,
     probe_layout,
+    read_blocks,
     read_positions,
     read_prefix,
     select_refreshes,
@@ -216,6 +217,15 @@ def test_paged_reads_return_each_position(transposed):
     positions = torch.tensor([[0, 5, 13], [3, 4, 12], [1, 2, 15]])
     got = read_positions(half, block_row, positions, order)
     assert torch.equal(got, torch.stack([expected[i, positions[i]] for i in range(h)]))
+    # several requests at once (the probes of a step's fast rows) read what each alone reads
+    rows = torch.stack([block_row, torch.tensor([2, 3, 0, 5], dtype=torch.int32)])
+    for layout in ((order, DIM_MAJOR) if transposed else (None,)):
+        alone = [read_prefix(half, row, 16, layout) for row in rows]
+        assert torch.equal(read_blocks(half, rows, layout), torch.stack(alone))
+    both = torch.stack([positions, positions.flip(-1)])
+    assert torch.equal(read_positions(half, rows, both, order),
+                       torch.stack([read_positions(half, row, p, order)
+                                    for row, p in zip(rows, both)]))
 
 
 def write_per_position(cache, keys, values, slots):

@@ -165,16 +165,6 @@ def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int,
     return positions.clamp(0, length - 1).flatten(2), real
 
 
-def best_pages(query: torch.Tensor, boxes: torch.Tensor, outside: torch.Tensor, *, page: int,
-               top: int, length: int,
-               shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`top_pages` of :func:`page_scores`: the positions of the ``top`` pages among
-    ``outside [n, H, P]`` whose keys ``query [n, H, G, D]`` bounds highest, and which are
-    real."""
-    return top_pages(page_scores(query, boxes, outside), page=page, top=top,
-                     length=length, shift=shift)
-
-
 def misses(query: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor, lse: torch.Tensor, *,
            threshold: float, scale: float, softcap: float | None = None) -> torch.Tensor:
     """``[n]`` bool: whether the ``chosen [n, H, N, D]`` keys (``real [n, H, N]``) would take

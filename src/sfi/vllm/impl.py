@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sfi.coverage import DEFAULT_PAGE, best_pages, misses, unheld_pages
+from sfi.coverage import DEFAULT_PAGE, misses, page_scores, top_pages, unheld_pages
 from sfi.kernels import attention_logits
 from sfi.pages import page_bounds, page_boxes
 from sfi.scorers import key_norms_of
@@ -30,6 +30,7 @@ from sfi.vllm.paged import (
     empty_like_cache,
     memory_positions,
     probe_layout,
+    read_blocks,
     read_positions,
     read_prefix,
     select_refreshes,
@@ -218,31 +219,38 @@ class SFIImpl:
 
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """Check each fast row's memory: flag the slots whose memory misses pages the query
-        bounds highly (their requests refresh at a later step; ``sfi.coverage``)."""
+        """Check every fast row's memory at once: flag the slots whose memory misses pages the
+        query bounds highly (their requests refresh at a later step; ``sfi.coverage``). Only
+        the page bounds are taken row by row (each request's boxes are its own tensor)."""
         c = requests.config
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]
         memory_keys = layout.halves(self.buffer)[0]
-        d = cache_keys.shape[3]
+        h, d = cache_keys.shape[1], cache_keys.shape[3]
         softcap = getattr(self, "logits_soft_cap", None) or None
-        h = cache_keys.shape[1]
-        found = []
-        for i, plan in enumerate(md.fast_plans):
-            held = self.records[plan.slot].coverage
-            q = query[md.query_start[plan.row]].view(1, h, -1, d)  # [1, H, G, D]
-            keys = read_prefix(memory_keys, md.fast_blocks[i], plan.length, layout.keys)
-            lse = torch.logsumexp(attention_logits(q, keys[None], self.scale, softcap), dim=-1)
-            positions, real = best_pages(q, held.boxes, held.outside,
-                                         page=_probe_page(c), top=c.coverage_top,
-                                         length=plan.total)
-            chosen = read_positions(cache_keys, md.block_table[plan.row], positions[0],
-                                    layout.key_order)
-            found.append(misses(q, chosen[None], real, lse, threshold=c.coverage_threshold,
-                                scale=self.scale, softcap=softcap))
+        plans = md.fast_plans
+        q = query.index_select(0, md.fast_tokens).view(len(plans), h, -1, d)  # [n, H, G, D]
+        keys = read_blocks(memory_keys, md.fast_blocks, layout.keys)  # [n, H, slot, D]
+        logits = attention_logits(q, keys, self.scale, softcap)  # [n, H, G, slot]
+        lengths = torch.tensor([p.length for p in plans], device=q.device)
+        unwritten = torch.arange(keys.shape[2], device=q.device) >= lengths[:, None]
+        lse = torch.logsumexp(logits.masked_fill(unwritten[:, None, None], float("-inf")), -1)
+        boxes = [self.records[p.slot].coverage for p in plans]
+        scores = torch.full((len(plans), h, max(b.boxes.shape[2] for b in boxes)),
+                            float("-inf"), device=q.device)
+        for i, held in enumerate(boxes):
+            scores[i, :, : held.boxes.shape[2]] = page_scores(q[i: i + 1], held.boxes,
+                                                             held.outside)[0]
+        positions, real = top_pages(scores, page=_probe_page(c), top=c.coverage_top,
+                                    length=max(p.total for p in plans))
+        rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
+        chosen = read_positions(cache_keys, md.block_table.index_select(0, rows), positions,
+                                layout.key_order)  # [n, H, top * page, D]
+        found = misses(q, chosen, real, lse, threshold=c.coverage_threshold, scale=self.scale,
+                       softcap=softcap)
         # kept where the model runs (no wait for the device here); the next step's plan reads
         # every layer's flags in its one transfer
-        requests.missed[md.fast_slot_index] |= torch.cat(found)
+        requests.missed[md.fast_slot_index] |= found
 
 
 def _probe_page(config: Any) -> int:

@@ -148,27 +148,42 @@ def read_prefix(half: torch.Tensor, block_row: torch.Tensor, total: int,
     """``[H, T, D]``: positions ``[0, total)`` of the request whose blocks are ``block_row``,
     stored as ``layout`` says. For a dim-major layout the result is a transposed view of a
     contiguous ``[H, D, T]`` (what ``q @ k^T`` wants), made with one copy."""
+    blocks = block_row[: -(-total // half.shape[2])]
+    return read_blocks(half, blocks[None], layout)[0, :, :total]
+
+
+def read_blocks(half: torch.Tensor, block_rows: torch.Tensor,
+                layout: KeyLayout = None) -> torch.Tensor:
+    """``[n, H, m * bs, D]``: the entries of the ``m`` blocks of each of ``block_rows [n, m]``,
+    in order, stored as ``layout`` says. For a dim-major layout each ``[T, D]`` is a
+    transposed view of a contiguous ``[D, T]`` (what ``q @ k^T`` wants), made with one copy."""
     nb, h, bs, d = half.shape
-    blocks = block_row[: -(-total // bs)].long()
+    n, m = block_rows.shape
+    blocks = block_rows.reshape(-1).long()
     if isinstance(layout, torch.Tensor):
         layout = layout.to(half.device)
-    if isinstance(layout, str):  # one gather straight into [H, D, n, bs] (no second copy)
+    if isinstance(layout, str):  # one gather straight into [H, D, n m, bs] (no second copy)
         paged = half.view(nb, h, d, bs).permute(1, 2, 0, 3).index_select(2, blocks)
-        return paged.reshape(h, d, -1)[:, :, :total].transpose(1, 2)
+        return paged.view(h, d, n, m * bs).permute(2, 0, 3, 1)
     if layout is None:
-        paged = half.permute(1, 0, 2, 3).index_select(1, blocks)  # [H, n, bs, D]
-        return paged.reshape(h, -1, d)[:, :total]
-    paged = half.index_select(0, blocks)  # [n, H, bs, D]
-    paged = paged.reshape(-1, h, bs * d).index_select(2, layout).view(-1, h, bs, d)
-    return paged.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :total]
+        paged = half.permute(1, 0, 2, 3).index_select(1, blocks)  # [H, n m, bs, D]
+        return paged.view(h, n, m * bs, d).transpose(0, 1)
+    paged = half.index_select(0, blocks)  # [n m, H, bs, D]
+    paged = paged.reshape(-1, h, bs * d).index_select(2, layout).view(n, m, h, bs, d)
+    return paged.permute(0, 2, 1, 3, 4).reshape(n, h, m * bs, d)
 
 
 def read_positions(half: torch.Tensor, block_row: torch.Tensor, positions: torch.Tensor,
                    order: torch.Tensor | None = None) -> torch.Tensor:
     """``[H, L, D]``: head h's entry at ``positions [H, L]`` (cache positions per head), from
-    blocks stored ``[bs, D]`` or in the ``order`` of a :data:`KeyLayout` permutation."""
+    blocks stored ``[bs, D]`` or in the ``order`` of a :data:`KeyLayout` permutation. With
+    ``block_row [n, max_blocks]`` (n requests' blocks) and ``positions [n, H, L]``: ``[n, H, L,
+    D]``."""
     nb, h, bs, d = half.shape
-    blocks = block_row.long()[positions // bs]
+    if block_row.dim() == 2:
+        blocks = block_row.long().gather(1, (positions // bs).flatten(1)).view_as(positions)
+    else:
+        blocks = block_row.long()[positions // bs]
     heads = torch.arange(h, device=positions.device)[:, None]
     if order is None:
         return half[blocks, heads, positions % bs]
