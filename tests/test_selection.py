@@ -286,6 +286,9 @@ def test_the_page_bound_is_its_definition_and_bounds_every_logit():
                                query[:, :, :, None] * high[:, :, None]).sum(-1)  # [B,H,G,P]
         torch.testing.assert_close(page_scores(query, low, high), direct.sum(2), atol=1e-4,
                                    rtol=1e-5)
+        # a query that carries gradients (a forward outside no_grad) is ranked the same
+        graded = page_scores(query.clone().requires_grad_(), low, high)
+        assert torch.equal(graded, page_scores(query, low, high)) and not graded.requires_grad
         logits = torch.matmul(query, keys.transpose(-1, -2))  # [B, H, G, T]
         pages = torch.arange(t) // 8
         for p in range(low.shape[2]):

@@ -105,7 +105,8 @@ class CoverageChecks:
         ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the layer's
         ``keys [B, H, T, D]`` and fast ``lse [n, H, G]``; ``shift [n]`` where their pages
         start, ``aligned`` the same as Python ints (None: at position 0)."""
-        key = (rows, page, top, threshold, scale, softcap, scores.shape[-1], aligned)
+        key = (rows, page, top, threshold, scale, softcap, aligned, tuple(query.shape),
+               tuple(scores.shape), tuple(keys.shape[1:]))
         group = self._groups.setdefault(key, _ProbeGroup(rows, index, shift))
         group.queries.append(query)
         group.scores.append(scores)

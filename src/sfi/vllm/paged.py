@@ -155,8 +155,8 @@ def read_prefix(half: torch.Tensor, block_row: torch.Tensor, total: int,
 def read_blocks(half: torch.Tensor, block_rows: torch.Tensor,
                 layout: KeyLayout = None) -> torch.Tensor:
     """``[n, H, m * bs, D]``: the entries of the ``m`` blocks of each of ``block_rows [n, m]``,
-    in order, stored as ``layout`` says. For a dim-major layout each ``[T, D]`` is a
-    transposed view of a contiguous ``[D, T]`` (what ``q @ k^T`` wants), made with one copy."""
+    in order, stored as ``layout`` says. For a dim-major layout the result is a transposed view
+    of one contiguous ``[H, D, n m bs]`` (what ``q @ k^T`` wants), made with one copy."""
     nb, h, bs, d = half.shape
     n, m = block_rows.shape
     blocks = block_rows.reshape(-1).long()
