@@ -73,11 +73,17 @@ def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor]
 
 @dataclass
 class _ProbeGroup:
-    """Probe layers of one step that check the same rows the same way."""
+    """Probe layers of one step that check the same rows the same way (the settings of
+    :func:`missing_rows`), and what each of them added."""
 
     rows: tuple[int, ...]
     index: torch.Tensor
     shift: torch.Tensor | None
+    page: int
+    top: int
+    threshold: float
+    scale: float
+    softcap: float | None
     queries: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
     keys: list[torch.Tensor] = field(default_factory=list)
@@ -107,7 +113,10 @@ class CoverageChecks:
         start, ``aligned`` the same as Python ints (None: at position 0)."""
         key = (rows, page, top, threshold, scale, softcap, aligned, tuple(query.shape),
                tuple(scores.shape), tuple(keys.shape[1:]))
-        group = self._groups.setdefault(key, _ProbeGroup(rows, index, shift))
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _ProbeGroup(rows, index, shift, page, top, threshold,
+                                                    scale, softcap)
         group.queries.append(query)
         group.scores.append(scores)
         group.keys.append(keys)
@@ -116,11 +125,11 @@ class CoverageChecks:
     def missing(self) -> set[int]:
         """The rows some probe layer found their memory missing mass for (and forget them)."""
         flagged: set[int] = set()
-        for (rows, page, top, threshold, scale, softcap, *_), group in self._groups.items():
-            missed = missing_rows(group.queries, group.scores, group.keys, group.index,
-                                  group.lse, page=page, top=top, threshold=threshold,
-                                  scale=scale, softcap=softcap, shift=group.shift)
-            flagged.update(r for r, miss in zip(rows, missed.tolist()) if miss)
+        for g in self._groups.values():
+            missed = missing_rows(g.queries, g.scores, g.keys, g.index, g.lse, page=g.page,
+                                  top=g.top, threshold=g.threshold, scale=g.scale,
+                                  softcap=g.softcap, shift=g.shift)
+            flagged.update(r for r, miss in zip(g.rows, missed.tolist()) if miss)
         self._groups.clear()
         return flagged
 
@@ -151,19 +160,21 @@ def page_scores(query: torch.Tensor, boxes: torch.Tensor, outside: torch.Tensor)
     return box_scores(query, boxes).masked_fill(~outside, float("-inf"))
 
 
-def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int,
+def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int | torch.Tensor,
               shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions of the ``top`` best of ``scores [n, H, P]`` (:func:`page_scores`) per KV
     head: ``([n, H, m * P], [n, H, m * P] bool, the real ones)`` (m = min(top, pages); where
     fewer than m pages were left to choose, the rest are not real and their positions are any
-    of the ``length``). A page left to choose lies wholly inside its row's middle region, so a
-    real page's positions lie in the cache. ``shift [n]``: where each row's pages start."""
+    of the row's ``length``, one for all rows or ``[n]``, one each). A page left to choose lies
+    wholly inside its row's middle region, so a real page's positions lie in the cache.
+    ``shift [n]``: where each row's pages start."""
     best = torch.topk(scores, min(top, scores.shape[-1]), dim=-1)  # [n, H, m]
     positions = best.indices[..., None] * page + torch.arange(page, device=scores.device)
     if shift is not None:
         positions = positions - shift[:, None, None, None]
     real = torch.isfinite(best.values).repeat_interleave(page, dim=-1)  # [n, H, m * P]
-    return positions.clamp(0, length - 1).flatten(2), real
+    last = length - 1 if isinstance(length, int) else (length - 1)[:, None, None, None]
+    return positions.clamp(min=0).clamp(max=last).flatten(2), real
 
 
 def misses(query: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor, lse: torch.Tensor, *,

@@ -241,11 +241,9 @@ class SFIImpl:
         for i, held in enumerate(boxes):
             scores[i, :, : held.boxes.shape[2]] = page_scores(q[i: i + 1], held.boxes,
                                                              held.outside)[0]
+        totals = torch.tensor([p.total for p in plans], device=q.device)  # each in its blocks
         positions, real = top_pages(scores, page=_probe_page(c), top=c.coverage_top,
-                                    length=max(p.total for p in plans))
-        # the pages not real (fewer left to choose) stay within each row's own blocks
-        ends = torch.tensor([p.total - 1 for p in plans], device=positions.device)
-        positions = torch.minimum(positions, ends[:, None, None])
+                                    length=totals)
         rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
         chosen = read_positions(cache_keys, md.block_table.index_select(0, rows), positions,
                                 layout.key_order)  # [n, H, top * page, D]
