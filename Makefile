@@ -82,7 +82,7 @@ test: install-test
 
 # The docs site (mkdocs.yml): strict, so a broken link or a stale API reference fails
 docs: install-test
-	$(BIN)/mkdocs build --strict --quiet
+	$(BIN)/mkdocs build --strict
 
 test-oldest: install-oldest
 	$(OLDEST_BIN)/python -c "import transformers; print('transformers', transformers.__version__)"

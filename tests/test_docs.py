@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -38,3 +43,51 @@ def test_an_undocumented_field_is_refused(monkeypatch):
     monkeypatch.setattr(config_doc, "field_docs", lambda cls=SFIConfig: {"sink": "S sinks."})
     with pytest.raises(ValueError, match="has no docstring"):
         config_doc.reference()
+
+
+def _build_docs(tmp_path: Path, extra_page: str | None = None) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` (as ``make docs`` runs it) of a copy of the docs, with
+    ``extra_page`` added to docs/ and left out of the nav."""
+    pytest.importorskip("mkdocs")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    (tmp_path / "src").symlink_to(ROOT / "src")  # the API reference reads the docstrings
+    if extra_page is not None:
+        (tmp_path / "docs" / extra_page).write_text("# A page\n\nNot in the nav.\n")
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
+                           str(tmp_path / "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                          capture_output=True, text=True, env={**os.environ,
+                                                               "NO_MKDOCS_2_WARNING": "1"})
+
+
+def test_the_docs_build_fails_on_a_page_left_out_of_the_nav(tmp_path):
+    clean = _build_docs(tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr
+    orphan = _build_docs(tmp_path / "orphan", extra_page="orphan.md")
+    assert orphan.returncode != 0
+    assert "orphan.md" in orphan.stderr and "nav" in orphan.stderr
+
+
+def test_make_docs_does_not_hide_warnings():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    recipe = makefile.split("\ndocs:", 1)[1].split("\n\n", 1)[0]
+    assert "mkdocs build --strict" in recipe and "--quiet" not in recipe and " -q" not in recipe
+
+
+def test_docs_point_at_nothing_a_user_does_not_have():
+    texts = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "src").rglob("*.py")]
+    for path in texts:
+        text = path.read_text(encoding="utf-8")
+        assert "../shared" not in text, path
+        assert "METHOD.md" not in text and "BASELINES.md" not in text, path
+
+
+def test_docs_carry_no_dates_or_commit_ids():
+    """Docs say what is true of this release; dates and commits belong to git and the
+    CHANGELOG."""
+    date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+    commit = re.compile(r"\bcommit [0-9a-f]{7,40}\b|\(\b[0-9a-f]{7}\b\)")
+    for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        text = path.read_text(encoding="utf-8")
+        assert not date.search(text), (path, date.search(text))
+        assert not commit.search(text), (path, commit.search(text))
