@@ -17,7 +17,7 @@ import time
 import sfi
 from sfi.server.engine import Engine
 from sfi.server.requests import GenerationRequest
-from sfi.texts import long_text
+from sfi.texts import essay
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         limits["max_stall"] = args.max_stall_ms / 1000
     engine = Engine(model, tokenizer, **limits)
     engine.start()
-    text = long_text(tokenizer, args.join_tokens + 1200)
+    text = essay(args.join_tokens + 1200, tokenizer)
     ids = tokenizer(text)["input_ids"]
     stream_times: list[float] = []
     finished = threading.Event()

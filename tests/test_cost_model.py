@@ -22,7 +22,7 @@ def test_sparse_reads_start_where_a_fast_step_skips_min_skip_entries():
     assert config.sparse_pays(4 + 32 + 16 + 40)
     forced = SFIConfig(sink=4, recent=16, k_head=32, min_skip=40, force_sparse=True)
     assert forced.sparse_from() == 0
-    # METHOD.md's rule in the paper preset: sparse as soon as S + K + R fit
+    # docs/method.md's rule in the paper preset: sparse as soon as S + K + R fit
     assert SFIConfig.paper().min_skip == 0 and SFIConfig.paper().min_gain == 1.0
     assert SFIConfig.paper(sink=4, recent=16, k_head=32).sparse_from(weight_positions=10**5) == 52
 
@@ -136,18 +136,18 @@ def test_each_row_turns_sparse_at_its_own_break_even_in_a_batch_as_alone():
 
 def test_generate_says_why_its_steps_were_dense():
     from sfi.cli.generate import _summary
+    from sfi.cost_model import dense_reason
 
     config = SFIConfig(sink=4, recent=16, k_head=32)
+    assert "shorter than 1,588 tokens" in dense_reason(config)
+    reason = dense_reason(SFIConfig(), weight_positions=80_397)
+    assert "shorter than 10,579 tokens" in reason and "min_gain" in reason
+    assert "never pays" in dense_reason(SFIConfig(k_head=None, k_fraction=1.0))
     result = GenerateResult(text="", token_ids=[1, 2], prompt_tokens=40,
-                            stats=DecodeStats(dense_steps=2), timing=Timing(),
-                            finish_reason="length", mode="sfi", config=config)
-    assert "dense below 1,588 tokens" in _summary(result)
+                            stats=DecodeStats(dense_steps=2, dense_reason=reason),
+                            timing=Timing(), finish_reason="length", mode="sfi", config=config)
+    assert "dense because the context is shorter than 10,579 tokens" in _summary(result)
     fast = GenerateResult(text="", token_ids=[1], prompt_tokens=4000,
                           stats=DecodeStats(fast_steps=1), timing=Timing(),
                           finish_reason="length", mode="sfi", config=config)
-    assert "min_skip" not in _summary(fast)
-    qwen = GenerateResult(text="", token_ids=[1, 2], prompt_tokens=8000,
-                          stats=DecodeStats(dense_steps=2), timing=Timing(),
-                          finish_reason="length", mode="sfi", config=SFIConfig(),
-                          weight_positions=80_397)
-    assert "dense below 10,579 tokens" in _summary(qwen) and "min_gain" in _summary(qwen)
+    assert "dense because" not in _summary(fast)

@@ -69,9 +69,9 @@ def test_hf_generate_equals_sfi_generate(tiny_llama_with_tokenizer):
 @pytest.mark.model
 def test_default_model_full_budget_matches_full_attention(default_model):
     model, tok = default_model
-    from sfi.texts import long_text
+    from sfi.texts import essay
 
-    ids = tok(long_text(tok, 300), return_tensors="pt")["input_ids"]
+    ids = tok(essay(300, tok), return_tensors="pt")["input_ids"]
     run = lockstep(model, ids, SFIConfig(sink=4, recent=16, k_head=8192, force_sparse=True,
                                          trigger="fixed", period=6), steps=12, tokenizer=tok)
     kinds = [k[0] for k in run.kinds]

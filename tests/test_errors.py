@@ -28,7 +28,7 @@ from sfi.hf import cache_argument
     (dict(k_head=None, k_fraction=1.5), "k_fraction must be <= 1.0"),
     (dict(k_head=None, k_fraction=float("nan")), "k_fraction must be finite"),
     (dict(k_head=None, k_fraction="0.2"), "k_fraction must be a number"),
-    (dict(k_fraction=0.2), "not both"),
+    (dict(k_head=2048, k_fraction=0.2), "not both"),
     (dict(k_head=None), "a budget is needed"),
     (dict(refresh_interval=0), "refresh_interval must be >= 1"),
     (dict(trigger="sometimes"), "trigger must be one of"),

@@ -16,13 +16,14 @@ from transformers import DynamicCache
 
 import sfi
 from sfi import SFIConfig, SlowFastCache
-from sfi.decode import encode_prompts, prefill
+from sfi.decode import prefill
 from sfi.draft_length import DraftLength, ForwardCost, expected_tokens
 from sfi.exact import ExactDecoder, Sampling, greedy_verdict, speculative_verdict
 from sfi.hf import cache_argument
+from sfi.prompts import encode_prompts
 from sfi.sequence import DraftAcceptance
 from sfi.steps import token_distribution
-from sfi.texts import long_text
+from sfi.texts import essay
 
 # a small memory, so that drafts depart from full attention and are rejected
 # (min_skip=0: these short prompts draft from S + K + R on)
@@ -217,7 +218,7 @@ def test_each_sequence_keeps_its_own_acceptance():
 # --- exactness on models -----------------------------------------------------------------------
 def _first_gap(model, tokenizer, prompt: str, tokens: list[int], at: int) -> float:
     """Full attention's top-2 logit gap at new token ``at`` of ``prompt`` + ``tokens``."""
-    ids, _ = encode_prompts(tokenizer, [prompt], False, torch.device("cpu"))
+    ids = encode_prompts(tokenizer, [prompt], False, torch.device("cpu")).input_ids
     ids = torch.cat([ids, torch.tensor([tokens[:at]])], 1)
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0, -1]
@@ -235,7 +236,7 @@ def _assert_same_tokens(model, tokenizer, prompt, exact, full):
 
 def test_greedy_exact_equals_full_attention_on_the_default_model(default_model):
     model, tokenizer = default_model
-    prompts = [long_text(tokenizer, 1000), long_text(tokenizer, 800)[200:]]
+    prompts = [essay(1000, tokenizer), essay(800, tokenizer)[200:]]
     config = SFIConfig(**{**DRAFTING, "k_head": 128, "recent": 32, "page_size": 16})
     full = sfi.generate(model, tokenizer, prompts, mode="full", max_new_tokens=32)
     batch = sfi.generate(model, tokenizer, prompts, mode="exact", config=config,
@@ -269,8 +270,9 @@ def poisoned_rewind(monkeypatch):
 def test_the_cache_holds_full_attentions_kv_after_every_verify(tiny_llama_with_tokenizer,
                                                                 poisoned_rewind):
     model, tokenizer = tiny_llama_with_tokenizer
-    prompts = [long_text(tokenizer, 160), long_text(tokenizer, 120)[40:]]
-    ids, mask = encode_prompts(tokenizer, prompts, False, torch.device("cpu"))
+    prompts = [essay(160, tokenizer), essay(120, tokenizer)[40:]]
+    encoded = encode_prompts(tokenizer, prompts, False, torch.device("cpu"))
+    ids, mask = encoded.input_ids, encoded.attention_mask
     config = SFIConfig(**DRAFTING, trigger="fixed", period=6)
     with torch.inference_mode():
         cache = SlowFastCache(model, config, tokenizer=tokenizer)

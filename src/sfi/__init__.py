@@ -2,50 +2,83 @@
 
 Most decode steps attend to a small memory (sink + selected + recent tokens); at sentence
 boundaries, or when a reuse budget runs out, a slow step attends densely and the Selector
-refreshes the selected set. See ``docs/ARCHITECTURE.md`` for the modules.
+refreshes the selected set. The method is described in the project's ``docs/method.md``
+(https://arxiv.org/abs/2603.12038 for the paper); start with :func:`load` and
+:func:`generate`, or :class:`SlowFastCache` inside ``model.generate``.
+
+The names below are imported on first use, so that ``import sfi`` (and ``sfi --help``) does
+not load torch and transformers until something needs them.
 """
 
-from sfi.attention import register_attention
-from sfi.cache import SlowFastCache
-from sfi.caches import DecodeCache, FullCache
-from sfi.config import SFIConfig
-from sfi.decode import GenerateResult, Timing, generate
-from sfi.errors import (
-    ModelNotFoundError,
-    PromptError,
-    SFIConfigError,
-    SFIError,
-    UnsupportedModelError,
-)
-from sfi.hf import routed
-from sfi.methods import build_cache
-from sfi.models import load
-from sfi.runtime import keep_freed_memory
-from sfi.scorers import Evidence, Scorer
-from sfi.selector import SFISelector
-from sfi.stats import DecodeStats
+from __future__ import annotations
 
-__all__ = [
-    "DecodeCache",
-    "DecodeStats",
-    "Evidence",
-    "FullCache",
-    "GenerateResult",
-    "ModelNotFoundError",
-    "PromptError",
-    "SFIConfig",
-    "SFIConfigError",
-    "SFIError",
-    "SFISelector",
-    "Scorer",
-    "SlowFastCache",
-    "Timing",
-    "UnsupportedModelError",
-    "build_cache",
-    "generate",
-    "keep_freed_memory",
-    "load",
-    "register_attention",
-    "routed",
-]
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "DecodeCache": "sfi.caches",
+    "DecodeStats": "sfi.stats",
+    "Evidence": "sfi.scorers",
+    "FullCache": "sfi.caches",
+    "GenerateResult": "sfi.decode",
+    "ModelNotFoundError": "sfi.errors",
+    "PromptError": "sfi.errors",
+    "SFIConfig": "sfi.config",
+    "SFIConfigError": "sfi.errors",
+    "SFIError": "sfi.errors",
+    "SFISelector": "sfi.selector",
+    "Scorer": "sfi.scorers",
+    "SlowFastCache": "sfi.cache",
+    "Timing": "sfi.decode",
+    "UnsupportedModelError": "sfi.errors",
+    "build_cache": "sfi.methods",
+    "generate": "sfi.decode",
+    "load": "sfi.models",
+    "routed": "sfi.hf",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors (redundant aliases re-export)
+    from sfi.cache import SlowFastCache as SlowFastCache
+    from sfi.caches import DecodeCache as DecodeCache
+    from sfi.caches import FullCache as FullCache
+    from sfi.config import SFIConfig as SFIConfig
+    from sfi.decode import GenerateResult as GenerateResult
+    from sfi.decode import Timing as Timing
+    from sfi.decode import generate as generate
+    from sfi.errors import ModelNotFoundError as ModelNotFoundError
+    from sfi.errors import PromptError as PromptError
+    from sfi.errors import SFIConfigError as SFIConfigError
+    from sfi.errors import SFIError as SFIError
+    from sfi.errors import UnsupportedModelError as UnsupportedModelError
+    from sfi.hf import routed as routed
+    from sfi.methods import build_cache as build_cache
+    from sfi.models import load as load
+    from sfi.scorers import Evidence as Evidence
+    from sfi.scorers import Scorer as Scorer
+    from sfi.selector import SFISelector as SFISelector
+    from sfi.stats import DecodeStats as DecodeStats
+
+
+def __getattr__(name: str) -> Any:
+    """The public names of ``__all__``, each imported from its module when first asked for,
+    and the submodules (``sfi.texts``)."""
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule (sfi.texts, sfi.layout, ...), else no such name
+        try:
+            return importlib.import_module(f"sfi.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"sfi.{name}":
+                raise
+            raise AttributeError(f"module 'sfi' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -1,6 +1,6 @@
-"""Every knob of Slow-Fast Inference (METHOD.md), validated, with the paper's defaults.
+"""Every knob of Slow-Fast Inference (docs/method.md), validated, with the paper's defaults.
 
-Field names follow METHOD.md: ``sink`` (S), ``recent`` (R), ``k_head`` (K), ``evidence_window``
+Field names follow docs/method.md: ``sink`` (S), ``recent`` (R), ``k_head`` (K), ``evidence_window``
 (W), ``refresh_interval``, ``min_refresh_gap``, and the Selector constants of section 3.
 """
 
@@ -20,6 +20,15 @@ POOL_MODES: tuple[str, ...] = ("max", "avg")
 
 # beta = -ln(0.6) / 0.9: the positional prior falls to 0.6 of its peak at u = 0.9 (with p = 1).
 DEFAULT_BETA = -math.log(0.6) / 0.9
+
+
+class _DefaultBudget(int):
+    """The type of ``k_head``'s default: an int that :meth:`SFIConfig.__post_init__` can tell
+    from a K the caller gave, so that ``SFIConfig(k_fraction=0.15)`` alone takes the fraction
+    and ``SFIConfig(k_head=2048, k_fraction=0.15)`` is still refused as two budgets."""
+
+
+DEFAULT_K_HEAD = _DefaultBudget(2048)
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
@@ -45,27 +54,27 @@ def _require_float(name: str, value: Any, low: float | None = None, high: float 
 @dataclass(frozen=True)
 class SFIConfig:
     """Configuration of slow-fast decoding: the default preset (what measures best in
-    ``docs/eval``); ``SFIConfig.paper()`` is METHOD.md exactly.
+    ``docs/eval``); ``SFIConfig.paper()`` is docs/method.md exactly.
 
     A fast step attends, per (layer, KV head), to ``sink`` first tokens, K tokens selected from
     the middle region (``k_head``, or ``k_fraction`` of the context) and the ``recent`` last
     ones. Each field is documented where it is declared below; ``docs/configuration.md`` is
-    generated from those docs (:func:`sfi.config_doc.reference`). The fields beyond METHOD.md
+    generated from those docs (:func:`sfi.config_doc.reference`). The fields beyond docs/method.md
     (pooled evidence, pages, pins, hysteresis, dense layers, coverage probes) are at their
     neutral value in the paper preset, which also turns soft-NMS back on.
     """
 
-    # --- memory of a fast step (METHOD.md section 2) ---
+    # --- memory of a fast step (docs/method.md section 2) ---
     sink: int = 4
     """S: the first tokens of a sequence, attended at every step."""
     recent: int = 256
     """R: the last tokens, attended in place (plus every token generated since the last
     refresh)."""
-    k_head: int | None = 2048
+    k_head: int | None = DEFAULT_K_HEAD
     """K: the tokens selected from the middle region per (layer, sequence, KV head); None when
-    ``k_fraction`` gives K instead."""
+    ``k_fraction`` gives K instead (giving ``k_fraction`` alone does that)."""
     k_fraction: float | None = None
-    """K as a fraction of the context (in (0, 1]); set ``k_head`` to None to use it."""
+    """K as a fraction of the context (in (0, 1]), instead of ``k_head``."""
     evidence_window: int = 16
     """W: the prompt's last queries whose attention makes the first selection."""
     min_skip: int = 1536
@@ -76,7 +85,7 @@ class SFIConfig:
     0.78-0.91x full attention's speed at 2,560-3,584 tokens and 1.05x at 4,096. A decision per
     sequence, from its context alone (never the batch or timings), so that a batched decode
     equals each row decoded alone and a run repeats. 0: sparse as soon as S + K + R fit
-    (METHOD.md's rule, the paper preset)."""
+    (docs/method.md's rule, the paper preset)."""
     min_gain: float = 1.1
     """Sparse decoding also waits until a fast step would read ``min_gain`` times fewer bytes
     than a dense step of the same sequence: ``(W + T) / (W + S + K + R) >= min_gain``, with the
@@ -113,7 +122,7 @@ class SFIConfig:
     seed: int = 0
     """Seed of the ``random`` trigger."""
 
-    # --- the Selector (METHOD.md section 3) ---
+    # --- the Selector (docs/method.md section 3) ---
     alpha: float = 0.5
     """Power of the mean that pools the evidence rows (0 would be the geometric mean)."""
     gamma: float = 0.5
@@ -135,7 +144,7 @@ class SFIConfig:
     nms_radius: int = 16
     """Soft-NMS: positions on each side compared with a candidate."""
     nms_strength: float = 0.0
-    """Soft-NMS: how hard a near-duplicate of a neighbour is pushed down (METHOD.md: 1.0; off
+    """Soft-NMS: how hard a near-duplicate of a neighbour is pushed down (docs/method.md: 1.0; off
     by default, since it pushes down a needle's neighbours)."""
     exclusivity_temperature: float = 2.0
     """Cross-head exclusivity: temperature of the softmax over KV heads."""
@@ -144,7 +153,7 @@ class SFIConfig:
     exclusivity_min_heads: int = 3
     """Cross-head exclusivity applies to layers with at least this many KV heads."""
 
-    # --- retrieval-safe selection (beyond METHOD.md; measured in docs/eval) ---
+    # --- retrieval-safe selection (beyond docs/method.md; measured in docs/eval) ---
     pool_kernel: int = 9
     """Evidence pooled along positions over this many (odd; 1 = off), so that a needle's
     span ranks with its peak."""
@@ -185,13 +194,16 @@ class SFIConfig:
     drafting cannot pay (False: always draft, e.g. to measure it)."""
 
     def __post_init__(self) -> None:
+        if type(self.k_head) is _DefaultBudget:  # K not given: k_fraction, if given, is K
+            object.__setattr__(self, "k_head", None if self.k_fraction is not None
+                               else int(self.k_head))
         _require_int("sink", self.sink, 0)
         _require_int("recent", self.recent, 1)
         if self.k_head is not None and self.k_fraction is not None:
             raise SFIConfigError(
                 "give the budget either as k_head (tokens per KV head) or as k_fraction "
                 f"(fraction of the context), not both (got k_head={self.k_head!r}, "
-                f"k_fraction={self.k_fraction!r}); set k_head=None to use k_fraction"
+                f"k_fraction={self.k_fraction!r})"
             )
         if self.k_head is None and self.k_fraction is None:
             raise SFIConfigError("a budget is needed: set k_head (tokens) or k_fraction")
@@ -307,11 +319,11 @@ class SFIConfig:
 
     @classmethod
     def paper(cls, **overrides: Any) -> SFIConfig:
-        """METHOD.md exactly (the paper's Selector and defaults), with ``overrides``."""
+        """docs/method.md exactly (the paper's Selector and defaults), with ``overrides``."""
         return cls.from_preset("paper", **overrides)
 
 
-# Every field METHOD.md fixes, with the value it gives: the "paper" preset reproduces the paper
+# Every field docs/method.md fixes, with the value it gives: the "paper" preset reproduces the paper
 # whatever the library's defaults become.
 PAPER_PRESET: dict[str, Any] = dict(
     sink=4, recent=256, k_head=2048, k_fraction=None, evidence_window=16, trigger="sentence",

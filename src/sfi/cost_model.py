@@ -60,3 +60,18 @@ def weight_positions(model_or_config: Any) -> int:
     attention = hidden * width * (2 * heads + 2 * kv_heads)
     mlp = 3 * hidden * intermediate
     return (layers * (attention + mlp) + vocab * hidden) // kv_elements_per_position(cfg)
+
+
+def dense_reason(config: Any, weight_positions: int = 0) -> str:
+    """Why a sequence decoded with ``config`` (an :class:`~sfi.config.SFIConfig`) takes dense
+    steps: the context from which sparse reads pay (``SFIConfig.sparse_from``) and the rule
+    that sets it, in one sentence for ``DecodeStats.dense_reason`` and the logged notice."""
+    start = config.sparse_from(weight_positions)
+    rule = ("a fast step must skip min_skip entries and read min_gain times fewer bytes, "
+            "weights included" if config.min_skip or config.min_gain > 1.0
+            else "S + K + R must leave part of the context unread")
+    if start is None:
+        return (f"sparse decoding never pays with this budget ({rule}): every step is dense; "
+                "lower k_fraction or k_head")
+    return (f"the context is shorter than {start:,} tokens, where sparse decoding starts to pay "
+            f"for this model and budget ({rule}); force_sparse=True decodes sparsely anyway")

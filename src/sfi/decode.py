@@ -33,6 +33,7 @@ from sfi.errors import PromptError, SFIError
 from sfi.exact import ExactDecoder, Sampling
 from sfi.hf import cache_argument, context_length, eos_token_ids
 from sfi.methods import build_cache
+from sfi.prompts import Prompts, encode_prompts
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
 from sfi.steps import decode_one, extended_mask, sample_next
@@ -120,18 +121,34 @@ def prefill(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *,
     return out.logits[:, -1]
 
 
+def repeated_ngram_tokens(tokens: Sequence[int], n: int) -> list[int]:
+    """The tokens that would make the last ``n - 1`` of ``tokens`` into an ``n``-gram that
+    ``tokens`` already holds (transformers' ``no_repeat_ngram_size``, over the answer only)."""
+    if n < 1 or len(tokens) < n:
+        return []
+    tail = list(tokens[len(tokens) - n + 1:]) if n > 1 else []
+    return [tokens[i + n - 1] for i in range(len(tokens) - n + 1)
+            if list(tokens[i:i + n - 1]) == tail]
+
+
 def continue_greedy(model: torch.nn.Module, cache: Any, ids: torch.Tensor, start: int,
                     max_new_tokens: int, eos: Collection[int],
-                    on_token: Callable[[int], None] | None = None) -> list[int]:
+                    on_token: Callable[[int], None] | None = None,
+                    no_repeat_ngram: int = 0) -> list[int]:
     """Greedy decoding of one sequence whose cache already holds ``ids[:, :start]``: run
     ``ids [1, T]``'s remaining tokens as one forward, then one token per step until an
     end-of-sequence token (not kept) or ``max_new_tokens``; returns the new token ids.
-    ``on_token(token_id)`` sees each kept token as it comes."""
+    ``on_token(token_id)`` sees each kept token as it comes. ``no_repeat_ngram`` > 0 never
+    repeats an n-gram of that length within the answer (:func:`repeated_ngram_tokens`; the
+    prompt's n-grams stay allowed, so that an answer can quote it)."""
     total, device = ids.shape[1], ids.device
     checker = StopChecker(None, eos, max_tokens=max_new_tokens)
     logits = prefill(model, cache, ids[:, start:], start=start)
     while True:
         kept = len(checker.tokens)
+        banned = repeated_ngram_tokens(checker.tokens, no_repeat_ngram)
+        if banned:
+            logits[0, banned] = float("-inf")
         ended = checker.push(int(logits[0].argmax()))
         if on_token is not None and len(checker.tokens) > kept:
             on_token(checker.tokens[-1])
@@ -305,29 +322,8 @@ def check_number(name: str, value: Any, low: float, high: float | None = None,
         raise SFIError(f"{name} must be {bounds}, got {value}")
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize with left padding: ``(input_ids [B, T], attention_mask [B, T])``."""
-    if chat:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True) for p in prompts]
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        pad_missing = tokenizer.pad_token_id is None
-        if pad_missing:
-            tokenizer.pad_token = tokenizer.eos_token
-        enc = tokenizer(list(prompts), return_tensors="pt", padding=True,
-                        add_special_tokens=not chat)
-    finally:
-        tokenizer.padding_side = side
-        if pad_missing:
-            tokenizer.pad_token = None
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
-
-
 @torch.inference_mode()
-def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str], *,
+def generate(model: torch.nn.Module, tokenizer: Any, prompt: Prompts, *,
              config: SFIConfig | None = None, max_new_tokens: int = 128, mode: Mode = "sfi",
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
              stop: Sequence[str] | None = None, chat: bool = False, scorer: Scorer | None = None,
@@ -335,12 +331,15 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
              prefill_chunk: int | None = None,
              on_prefill: Callable[[int, int], None] | None = None
              ) -> GenerateResult | list[GenerateResult]:
-    """Generate continuations of ``prompt`` (one string, or a list decoded as one batch).
+    """Generate continuations of ``prompt``: one prompt, or a list decoded as one batch.
 
     Args:
         model: a transformers causal LM (see :func:`sfi.load`).
         tokenizer: its tokenizer.
-        prompt: the text, or a list of texts decoded together with left padding.
+        prompt: text; a chat conversation (``[{"role": "user", "content": ...}, ...]``, put
+            through the tokenizer's chat template with the assistant's turn opened); token ids
+            (a list of ints or a 1-D tensor, used as given); or a list of these (a 2-D tensor
+            of ids too), decoded together with left padding (:mod:`sfi.prompts`).
         config: SFI knobs (``mode="sfi"`` and ``"exact"``, where it is the drafter's); defaults
             to ``SFIConfig()``.
         max_new_tokens: how many tokens to generate at most.
@@ -351,7 +350,8 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
         top_p: nucleus sampling keeps the most likely tokens up to this probability mass.
         seed: the sampling generator's seed (None: torch's global generator).
         stop: strings that end a sequence (the text is cut before them).
-        chat: wrap each prompt in the tokenizer's chat template as a user message.
+        chat: wrap each text prompt in the tokenizer's chat template as a user message
+            (conversations always are; token ids never).
         scorer: what ranks positions at slow steps (default: the SFI Selector).
         on_token: called as ``on_token(row, token_id)`` for every new token, for streaming.
         prefill_chunk: prefill the prompt in forwards of at most this many tokens (None: one
@@ -359,13 +359,12 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
         on_prefill: called as ``on_prefill(done, total)`` after each prefill forward.
 
     Returns:
-        A :class:`GenerateResult` for a string prompt, a list of them for a list of prompts.
+        A :class:`GenerateResult` for one prompt, a list of them for a batch. Where SFI kept
+        every step dense (the context too short for sparse reads to pay), its
+        ``stats.dense_reason`` says why and a notice is logged once.
     """
     if mode not in MODES:
         raise SFIError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
-        raise PromptError("the prompt is empty: give some text to continue")
     check_number("max_new_tokens", max_new_tokens, 1, integer=True)
     check_number("temperature", temperature, 0.0)
     check_number("top_p", top_p, 0.0, 1.0, low_open=True)
@@ -374,7 +373,9 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
     if mode == "full" and config is not None:
         raise SFIError("config applies to mode='sfi' only; full attention takes no SFI config")
     device = next(model.parameters()).device
-    input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat, device)
+    encoded = encode_prompts(tokenizer, prompt, chat, device,
+                             vocab=model.get_input_embeddings().num_embeddings)
+    input_ids, attention_mask = encoded.input_ids, encoded.attention_mask
     prompt_lengths = attention_mask.sum(dim=-1).tolist()
     limit = context_length(model)
     longest = max(prompt_lengths)
@@ -447,4 +448,4 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[str]
                               mode=mode, config=cache.config if mode != "full" else None,
                               weight_positions=getattr(cache, "weight_positions", 0))
                for row, checker in enumerate(checkers)]
-    return results[0] if isinstance(prompt, str) else results
+    return results[0] if encoded.single else results

@@ -174,12 +174,21 @@ def resolve(name_or_path: str) -> Path | str:
         return path
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
+    if _looks_like_a_path(name_or_path):
+        raise ModelNotFoundError(f"no such folder or file: {name_or_path!r}")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name_or_path):
         return name_or_path  # a hub id: transformers resolves it (offline: its local cache)
     known = ", ".join(sorted([*PACKAGED, *ALIASES]))
     raise ModelNotFoundError(
         f"unknown model {name_or_path!r}: give one of {known}, a local model folder, a .gguf "
         "file, or a hub id such as org/name")
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Whether ``name`` is written as a path (``./x``, ``../x``, ``/x``, ``~/x``, ``a/b/c`` or
+    ``x.gguf``) rather than a model name or a hub id (``org/name``)."""
+    return (name.startswith((".", "/", "~", "\\")) or name.count("/") > 1
+            or name.lower().endswith(".gguf") or "\\" in name)
 
 
 def _ensure_converted(gguf: Path, target: Path) -> Path:

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from sfi.config import SFIConfig
+from sfi.cost_model import dense_reason
+from sfi.notices import notice_once
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
 from sfi.triggers import BOOTSTRAP, COVERAGE, REFRESH_REASONS, RefreshTrigger
@@ -182,6 +184,9 @@ def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | Non
         return
     if kind == DENSE:
         seq.stats.dense_steps += 1
+        if seq.stats.dense_reason is None and not seq.dense_only:
+            seq.stats.dense_reason = dense_reason(seq.config, seq.weight_positions)
+            notice_once(f"SFI decodes densely: {seq.stats.dense_reason}")
     elif kind == SLOW:
         seq.stats.slow_steps += 1
     elif lagged:

@@ -38,6 +38,9 @@ class DecodeStats:
             attention's own per verify).
         exact_dense_steps: exact mode's dense decode steps, taken where drafting cannot pay
             (the measured step times and acceptance say so, ``sfi.draft_length.DraftLength``).
+        dense_reason: why an SFI sequence took dense steps (its context below the length where
+            sparse decoding pays, :func:`sfi.cost_model.dense_reason`); None when it took none
+            for that reason (and for full attention, which is dense by choice).
     """
 
     slow_steps: int = 0
@@ -52,6 +55,7 @@ class DecodeStats:
     accepted: int = 0
     verified_tokens: int = 0
     exact_dense_steps: int = 0
+    dense_reason: str | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -104,6 +108,7 @@ class DecodeStats:
             total.lagged_read_sum += part.lagged_read_sum
             for name in _EXACT_COUNTERS:
                 setattr(total, name, getattr(total, name) + getattr(part, name))
+            total.dense_reason = total.dense_reason or part.dense_reason
             for reason, count in part.refresh_reasons.items():
                 total.refresh_reasons[reason] = total.refresh_reasons.get(reason, 0) + count
         return total
@@ -127,4 +132,5 @@ class DecodeStats:
             "lagged_steps": self.lagged_steps,
             "refresh_reasons": dict(self.refresh_reasons),
             "fast_read_fraction": round(self.fast_read_fraction, 6),
+            "dense_reason": self.dense_reason,
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from sfi.errors import SFIError
 
@@ -26,8 +27,14 @@ def essays() -> str:
                        for p in sorted(essays_dir().glob("*.txt")))
 
 
-def long_text(tokenizer, tokens: int) -> str:
-    """The first ``tokens`` tokens of the essays, decoded back to text."""
+def essay(tokens: int, tokenizer: Any) -> str:
+    """About ``tokens`` tokens of real text for trying SFI: the first ``tokens`` tokens of the
+    essays (``tokenizer``'s tokens), decoded back to text.
+
+    Example:
+        >>> model, tokenizer = sfi.load("default")
+        >>> document = sfi.texts.essay(6000, tokenizer)
+    """
     ids = tokenizer(essays(), add_special_tokens=False)["input_ids"]
     if len(ids) < tokens:
         raise SFIError(f"the essays hold {len(ids)} tokens; {tokens} were asked for")
