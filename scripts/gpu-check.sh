@@ -32,7 +32,7 @@ install() {
 
 bench() {  # bench MODEL NAME: vLLM + SFI, then stock vLLM, compiled, one row a line
     timeout "${BENCH_TIMEOUT:-200}" "$SFI" bench-vllm --model "$1" --contexts "$CONTEXTS" \
-        --batch 1,4 --new-tokens 32 --no-own-engine --no-llama-cpp --dtype bfloat16 \
+        --batch 1,4 --max-new-tokens 32 --no-own-engine --no-llama-cpp --dtype bfloat16 \
         --no-eager --attention-backend FLASH_ATTN --log-rows "$OUT/rows.jsonl" --json \
         > "$OUT/bench-$2.json" 2> "$OUT/bench-$2.log" || echo "bench $2 failed or timed out: see $OUT/bench-$2.log"
     "$PY" - "$OUT/rows.jsonl" "$2" <<'PY'

@@ -38,7 +38,7 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
     plot = tmp_path / "bench.png"
     result = subprocess.run(
         [sys.executable, "-m", "sfi.cli", "bench", "--model", str(folder), "--contexts", "48,96",
-         "--batch", "1,2", "--new-tokens", "4", "--sink", "2", "--k-head", "8", "--recent", "8",
+         "--batch", "1,2", "--max-new-tokens", "4", "--sink", "2", "--k-head", "8", "--recent", "8",
          "--evidence-window", "4", "--set", "min_skip=0", "--set",
          "min_gain=1", "--modes", ",".join(MODES), "--json",
          "--plot", str(plot)],

@@ -154,9 +154,147 @@ def test_generate_streams_the_text_it_prints(default_model):
 
 @pytest.mark.model
 def test_demo_prints_both_answers_and_the_speedup(default_model):
-    result = run_cli("demo", "--context", "1500", "--seed", "0", "--answer-tokens", "16")
+    result = run_cli("demo", "--context", "1500", "--seed", "0", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
     assert "What is the special magic number" in out and "correct │ yes │ yes" in out
     assert "Write a short essay" in out and "tokens/s" in out
     assert "x as fast as full attention" in out and "Traceback" not in result.stderr
+
+
+# --- bad prompt files --------------------------------------------------------------------------
+def test_a_prompt_file_that_is_not_utf8_gets_one_line(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00bad\xc3")
+    result = run_cli_here("generate", "--prompt-file", str(bad))
+    assert result.returncode == 2
+    assert "is not UTF-8 text" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_prompt_file_that_is_a_folder_or_missing_says_which(tmp_path):
+    folder = run_cli_here("generate", "--prompt-file", str(tmp_path))
+    assert folder.returncode == 2 and "is a folder, not a file" in folder.stderr
+    missing = run_cli_here("generate", "--prompt-file", str(tmp_path / "none.txt"))
+    assert missing.returncode == 2 and "no file" in missing.stderr
+    assert "Traceback" not in folder.stderr + missing.stderr
+
+
+def test_an_unreadable_prompt_file_gets_one_line(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    locked = tmp_path / "locked.txt"
+    locked.write_text("hello")
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", refuse)  # (root reads any file: refused by hand)
+    result = run_cli_here("generate", "--prompt-file", str(locked))
+    assert result.returncode == 2
+    assert "cannot read" in result.stderr and "Permission denied" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_model_folder_says_so():
+    result = run_cli_here("generate", "--prompt", "hi", "--model", "./no/such/dir")
+    assert result.returncode == 2
+    assert "no such folder or file: './no/such/dir'" in result.stderr
+
+
+# --- one vocabulary ----------------------------------------------------------------------------
+def _visible_options() -> dict[str, set[str]]:
+    """Every subcommand's visible option flags."""
+    import typer.main
+
+    from sfi.cli import app
+
+    group = typer.main.get_command(app)
+    out = {}
+    for name, command in group.commands.items():
+        out[name] = {flag for param in command.params if not getattr(param, "hidden", False)
+                     for flag in (*param.opts, *param.secondary_opts) if flag.startswith("--")}
+    return out
+
+
+# one spelling per concept: (the spelling, the commands that have it), and the spellings that
+# no command shows any more
+SFI_COMMANDS = {"generate", "demo", "bench", "bench-vllm", "serve", "analyze"}
+CONCEPTS = {
+    "tokens to generate": ("--max-new-tokens",
+                           {"generate", "demo", "bench", "bench-vllm", "loadtest"}),
+    "one context length": ("--context", {"demo", "diagnose", "analyze"}),
+    "several context lengths": ("--contexts", {"bench", "bench-vllm", "eval"}),
+    "K as a fraction": ("--k-fraction", SFI_COMMANDS),
+    "K as tokens": ("--k-head", SFI_COMMANDS),
+    "any other SFIConfig field": ("--set", SFI_COMMANDS | {"eval"}),
+    "one kept budget C = S + K + R": ("--budget", {"diagnose"}),
+    "several kept budgets": ("--budgets", {"eval"}),
+}
+RETIRED = {"--new-tokens", "--max-tokens", "--answer-tokens", "--sfi", "--k-fractions",
+           "--k-heads", "--tokens-to-generate"}
+
+
+def test_every_concept_has_one_spelling_across_the_commands():
+    options = _visible_options()
+    assert set(options) == {"generate", "demo", "bench", "bench-vllm", "eval", "report",
+                            "diagnose", "analyze", "serve", "loadtest"}
+    for concept, (flag, commands) in CONCEPTS.items():
+        having = {name for name, flags in options.items() if flag in flags}
+        assert having == commands, (concept, flag, having ^ commands)
+    for name, flags in options.items():
+        assert not flags & RETIRED, (name, flags & RETIRED)
+
+
+@pytest.mark.parametrize("args, note, message", [
+    (["bench", "--new-tokens", "0"], "--new-tokens is deprecated",
+     "--max-new-tokens must be >= 1"),
+    (["loadtest", "--max-tokens", "0"], "--max-tokens is deprecated",
+     "--max-new-tokens must be >= 1"),
+    (["eval", "--budget", "0"], "--budget is deprecated", "positive"),
+])
+def test_old_spellings_still_work_for_one_release_with_a_note(args, note, message):
+    result = run_cli_here(*args)
+    assert result.returncode == 2
+    assert note in result.stderr and "use --" in result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_old_and_a_new_spelling_together_are_refused():
+    result = run_cli_here("bench", "--new-tokens", "4", "--max-new-tokens", "8")
+    assert result.returncode == 2
+    assert "--new-tokens is the old spelling of --max-new-tokens" in result.stderr
+    both = run_cli_here("bench-vllm", "--sfi", "k_head=4", "--k-head", "8")
+    assert both.returncode == 2 and "--sfi is the old spelling" in both.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "demo", "bench", "bench-vllm", "eval",
+                                     "report", "diagnose", "analyze", "serve", "loadtest"])
+def test_every_subcommand_help_describes_its_options_and_shows_examples(command):
+    result = run_cli_here(command, "--help")
+    assert result.returncode == 0
+    assert "Examples:" in result.stdout and f"sfi {command}" in result.stdout
+    assert "<bool>" not in result.stdout
+    import typer.main
+
+    from sfi.cli import app
+
+    params = typer.main.get_command(app).commands[command].params
+    undescribed = [p.name for p in params if not getattr(p, "hidden", False)
+                   and not (getattr(p, "help", None) or "").strip("[]0123456789. ")]
+    assert not undescribed
+
+
+def test_the_command_line_starts_without_torch():
+    """``sfi --help`` stays quick: the commands import torch and transformers only when they
+    run (``sfi`` imports its names on first use)."""
+    probe = "import sys, sfi, sfi.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["False", "False"], result.stderr
+
+
+def test_version():
+    from sfi import __version__
+
+    result = run_cli_here("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"sfi {__version__}"

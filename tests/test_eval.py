@@ -157,7 +157,7 @@ def test_stability_series_and_a_memory_that_holds_everything(tiny_llama_with_tok
 @pytest.mark.model
 def test_eval_and_analyze_commands(default_model, tmp_path):
     result = run_cli("eval", "--tasks", "passkey", "--contexts", "600", "--samples", "1",
-                     "--methods", "full,sfi,tova@0.5", "--budget", "0.3", "--json",
+                     "--methods", "full,sfi,tova@0.5", "--budgets", "0.3", "--json",
                      "--set", "nms_strength=0", "--tag", "no-nms", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
@@ -181,7 +181,7 @@ def test_eval_and_analyze_commands(default_model, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--methods", "sfi+pyramidkv"], "own budget"),
     (["--tasks", "haystack"], "unknown haystack"),
-    (["--budget", "0"], "positive"),
+    (["--budgets", "0"], "positive"),
     (["--contexts", "abc"], "comma-separated integers"),
 ])
 def test_eval_bad_input_exits_with_a_message(args, message):
@@ -292,3 +292,13 @@ def test_shared_length_leaves_each_prompt_its_window():
     assert _shared_length([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7], window=2) == 4
     with pytest.raises(SFIError, match="share no document tokens"):
         _shared_length([1, 2, 3], [7, 8, 9], window=1)
+
+
+def test_the_repetition_guard_bans_what_would_repeat_an_ngram_of_the_answer():
+    from sfi.decode import repeated_ngram_tokens
+
+    tokens = [1, 2, 3, 9, 1, 2]
+    assert repeated_ngram_tokens(tokens, 3) == [3]  # 1 2 3 is there: 3 may not follow 1 2
+    assert repeated_ngram_tokens(tokens, 4) == []  # no 4-gram starts 9 1 2
+    assert repeated_ngram_tokens([5, 5], 1) == [5, 5] and repeated_ngram_tokens([], 2) == []
+    assert repeated_ngram_tokens(tokens, 0) == []  # 0: no guard

@@ -31,7 +31,8 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="any other SFICo
 # name -> (annotation, default) of every SFI option, in the order --help lists them
 SFI_OPTIONS: dict[str, tuple[Any, Any]] = {
     "preset": (Annotated[str | None, typer.Option(
-        help="default (what measures best, docs/eval) | paper (METHOD.md exactly)")], None),
+        help="default (what measures best) | paper (the paper's Selector and defaults, "
+             "exactly)")], None),
     "sink": (Annotated[int | None, typer.Option(help="S: sink tokens [4]")], None),
     "recent": (Annotated[int | None, typer.Option(help="R: recent window [256]")], None),
     "k_head": (Annotated[int | None, typer.Option(
@@ -41,14 +42,16 @@ SFI_OPTIONS: dict[str, tuple[Any, Any]] = {
         None),
     "refresh_interval": (Annotated[int | None, typer.Option(
         "--refresh-interval", help="reuse budget [96]")], None),
-    "min_refresh_gap": (Annotated[int | None, typer.Option("--min-refresh-gap", help="[16]")],
-                        None),
+    "min_refresh_gap": (Annotated[int | None, typer.Option(
+        "--min-refresh-gap", help="fewest steps between two sentence-triggered refreshes [16]")],
+        None),
     "evidence_window": (Annotated[int | None, typer.Option(
         "--evidence-window", help="W after prefill [16]")], None),
     "trigger": (Annotated[str | None, typer.Option(
         help="sentence | fixed | random | bootstrap")], None),
     "force_sparse": (Annotated[bool, typer.Option(
-        "--force-sparse", help="slow/fast steps even on short contexts")], False),
+        "--force-sparse", help="slow/fast steps even where the cost model says dense pays")],
+        False),
     "set_": (SetOpt, None),
 }
 
@@ -91,6 +94,63 @@ def sfi_options(command: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__signature__ = signature.replace(parameters=own + added)
     wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
     return wrapper
+
+
+def note(text: str) -> None:
+    """A one-line note on stderr (a deprecated spelling, a choice made for the user)."""
+    typer.echo(f"note: {text}", err=True)
+
+
+def renamed(value: Any, old_value: Any, new: str, old: str, default: Any = None) -> Any:
+    """The value of an option that was renamed in this release: ``old_value`` (given under the
+    old spelling ``old``, which then gets a deprecation note) or ``value`` (under ``new``);
+    both at once is refused."""
+    if old_value is None:
+        return value
+    if value != default:
+        raise SFIError(f"{old} is the old spelling of {new}: give only {new}")
+    note(f"{old} is deprecated and will be removed in the next release; use {new}")
+    return old_value
+
+
+def old_spellings(**names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Accept deprecated spellings of a command's options for one release: ``names`` maps an
+    option's parameter name to its old flag (``max_new_tokens="--new-tokens"``). Each old flag
+    is a hidden option of the same type; given, it fills the parameter, with a note."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        params = signature.parameters
+        hidden = {}
+        for name, flag in names.items():
+            base = getattr(params[name].annotation, "__origin__", params[name].annotation)
+            hidden[f"{name}__old"] = inspect.Parameter(
+                f"{name}__old", inspect.Parameter.KEYWORD_ONLY, default=None,
+                annotation=Annotated[base | None, typer.Option(flag, hidden=True)])
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            for name, flag in names.items():
+                kwargs[name] = renamed(kwargs[name], kwargs.pop(f"{name}__old"),
+                                       _flag(params[name]), flag, params[name].default)
+            return command(**kwargs)
+
+        del wrapper.__wrapped__  # typer must read the signature below, not the command's
+        own = list(params.values())
+        wrapper.__signature__ = signature.replace(parameters=own + list(hidden.values()))
+        wrapper.__annotations__ = {p.name: p.annotation for p in own + list(hidden.values())}
+        return wrapper
+
+    return decorate
+
+
+def _flag(param: inspect.Parameter) -> str:
+    """The first flag of a typer option parameter (``--max-new-tokens``)."""
+    for meta in getattr(param.annotation, "__metadata__", ()):
+        decls = getattr(meta, "param_decls", None)
+        if decls:
+            return next(d for d in decls if d.startswith("--"))
+    return "--" + param.name.replace("_", "-")
 
 
 def int_list(name: str, text: str) -> list[int]:

@@ -24,7 +24,7 @@ HEADER = """# Configuration reference
 sfi.config.SFIConfig: edit those, not this page -->
 
 `SFIConfig()` is the **default preset**; `SFIConfig.paper()` (`--preset paper`, the eval method
-`sfi:paper`) is METHOD.md exactly, kept for reproduction. Any field can be set on top of
+`sfi:paper`) is the paper exactly ([the method](method.md), section 7), kept for reproduction. Any field can be set on top of
 either: `SFIConfig.paper(k_head=1024)` in Python, `--set name=value` (or the named flags
 `--sink`, `--recent`, `--k-head`, `--k-fraction`, ...) on the command line and for `sfi serve`,
 `name=value` items in `SFI_VLLM`, and brackets in an eval method name

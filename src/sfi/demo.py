@@ -6,7 +6,8 @@ sentence inserted at a seeded depth (the ``niah`` task of ``sfi eval``). It is p
 every answer continues a copy of that prefill, so both sides start from the same KV:
 
 1. the hidden-fact question (is the answer right under each?);
-2. a longer answer (an explanation of the essays, 128 tokens), where decode speed shows.
+2. a longer answer (an explanation of the essays, 128 tokens), where decode speed shows,
+   decoded greedily with a repetition guard (no 4-gram of the answer repeated, both sides).
 
 Each answer is timed from the forward over its question (SFI's first selection included) to
 its last token: every slow step is inside the timing.
@@ -33,6 +34,9 @@ from sfi.stats import DecodeStats
 SIDES: tuple[str, ...] = ("full", "sfi")
 EXPLAIN = "Write a short essay about the main ideas of the text above."
 DEMO_SEED = 1  # the document, and where its fact hides: one that full attention answers right
+# The longer answer never repeats a 4-gram of its own (both sides alike), as chat front ends
+# guard greedy decoding of a small model against loops (transformers' no_repeat_ngram_size).
+NO_REPEAT_NGRAM = 4
 
 
 @dataclass
@@ -145,7 +149,8 @@ def run_demo(model: torch.nn.Module, tokenizer: Any, *, context: int = 7500, see
             shared.load(cache)
             begin = time.perf_counter()
             tokens = continue_greedy(model, cache, ids, shared_length, budgets[question], eos,
-                                     on_token=on_token)
+                                     on_token=on_token, no_repeat_ngram=NO_REPEAT_NGRAM
+                                     if question == "explanation" else 0)
             seconds = time.perf_counter() - begin
             answers[question][mode] = Answer(
                 mode, tokenizer.decode(tokens, skip_special_tokens=True), tokens, seconds,

@@ -14,11 +14,12 @@ from sfi.cli_options import (
     ModelOpt,
     int_list,
     name_list,
+    note,
+    old_spellings,
     sfi_options,
 )
 from sfi.config import SFIConfig
 from sfi.errors import SFIError
-from sfi.layout import WEIGHT_FORMATS
 
 BENCH_COLUMNS = {"mode": "mode", "context": "context", "batch": "B", "kv": "KV",
                  "decode_tok_s": "tok/s", "fast_step_ms": "fast ms", "slow_step_ms": "slow ms",
@@ -31,13 +32,14 @@ EXACT_COLUMNS = {"acceptance": "accepted", "tokens_per_verify": "tok/verify",
 
 
 @sfi_options
+@old_spellings(max_new_tokens="--new-tokens")
 def bench_cmd(
     config: SFIConfig | None,
     model: ModelOpt = "default",
     contexts: Annotated[str, typer.Option(help="context lengths, comma-separated")] =
         "4096,8192,16384,32768",
     batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
-    new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
     modes: Annotated[str, typer.Option(help="full,full-static,sfi,sfi-fast-only,sfi-exact "
                                        "(exact mode: real text only)")] =
         "full,full-static,sfi,sfi-fast-only",
@@ -62,13 +64,15 @@ def bench_cmd(
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
     mode_list = name_list("--modes", modes, MODES)
+    from sfi.layout import WEIGHT_FORMATS
+
     format_list = name_list("--weights", weights, WEIGHT_FORMATS)
-    if new_tokens < 1:
-        raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
+    if max_new_tokens < 1:
+        raise SFIError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
     result = run_weight_formats(
         lambda name: load_model(model, as_json, weights=name), format_list, progress=say,
-        contexts=context_list, batches=batch_list, new_tokens=new_tokens,
+        contexts=context_list, batches=batch_list, new_tokens=max_new_tokens,
         config=config or SFIConfig(), modes=mode_list, synthetic_kv=synthetic_kv,
         memory_limit=int(memory_limit_gb * 1e9))
     result["model"] = model
@@ -104,15 +108,15 @@ VLLM_BENCH_COLUMNS = {"engine": "engine", "mode": "mode", "context": "context", 
                       "speedup_vs_vllm": "x vLLM"}
 
 
+@sfi_options
+@old_spellings(max_new_tokens="--new-tokens")
 def bench_vllm_cmd(
+    config: SFIConfig | None,
     model: ModelOpt = "default",
-    sfi: Annotated[str, typer.Option(help="the SFI configuration, as in SFI_VLLM: "
-                                     "name=value items, comma-separated (preset=, any "
-                                     "SFIConfig field)")] = "",
     contexts: Annotated[str, typer.Option(help="context lengths, comma-separated")] =
         "4096,8192,16384",
     batch: Annotated[str, typer.Option(help="batch sizes, comma-separated")] = "1,4",
-    new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="decode steps timed per mode")] = 32,
     own_engine: Annotated[bool, typer.Option(help="also time sfi's own engine (full, SFI, SFI "
                                              "fast-only) in one run")] = True,
     own_kv: Annotated[str, typer.Option(help="what sfi's own engine decodes from: prefill (a "
@@ -135,14 +139,24 @@ def bench_vllm_cmd(
     plot: Annotated[Path | None, typer.Option(
         help="write a plot of tokens/s against context for each engine and mode")] = None,
     as_json: JsonOpt = False,
+    sfi: Annotated[str | None, typer.Option("--sfi", hidden=True)] = None,
 ) -> None:
     """Decode throughput of stock vLLM and vLLM + SFI, beside sfi's own engine and llama.cpp.
 
-    Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi)."""
+    Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi). The SFI
+    options set vLLM + SFI's configuration (the plugin's SFI_VLLM) and sfi's own engine's."""
     import os
 
     from sfi.bench.vllm import OWN_KV
 
+    if sfi is not None:  # the old spelling: SFI_VLLM's name=value items
+        if config is not None:
+            raise SFIError("--sfi is the old spelling of the SFI options: give only those")
+        note("--sfi is deprecated and will be removed in the next release; use the SFI "
+             "options (--preset, --k-fraction, ..., --set name=value)")
+    from sfi.vllm.settings import parse_config
+
+    config = parse_config(sfi or "") if config is None else config
     if own_kv not in OWN_KV:
         raise SFIError(f"--own-kv must be one of {', '.join(OWN_KV)}, got {own_kv!r}")
     extra = [Path(p) for p in name_list("--gguf", gguf, None)] if gguf else []
@@ -164,13 +178,11 @@ def bench_vllm_cmd(
 
     from sfi.bench.vllm import EngineRow, run_vllm_bench
     from sfi.models import packaged_gguf, resolve
-    from sfi.vllm.settings import parse_config
-
-    config = parse_config(sfi)
+    new_tokens = max_new_tokens
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
     if new_tokens < 1:
-        raise SFIError(f"--new-tokens must be >= 1, got {new_tokens}")
+        raise SFIError(f"--max-new-tokens must be >= 1, got {new_tokens}")
     import importlib.util
 
     ggufs: list[Path] = []

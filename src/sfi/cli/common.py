@@ -12,7 +12,6 @@ from rich.table import Table
 
 from sfi.cli_options import name_list
 from sfi.errors import SFIError
-from sfi.layout import WEIGHT_FORMATS
 
 err = Console(stderr=True)
 
@@ -29,6 +28,8 @@ def load_model(model: str, quiet: bool, weights: str = "native"):
 
 def one_format(weights: str) -> str:
     """The one weight format ``--weights`` names (a clear error otherwise)."""
+    from sfi.layout import WEIGHT_FORMATS
+
     formats = name_list("--weights", weights, WEIGHT_FORMATS)
     if len(formats) != 1:
         raise SFIError(f"--weights takes one format here, got {weights!r}")

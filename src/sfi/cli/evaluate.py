@@ -20,6 +20,7 @@ from sfi.cli_options import (
     float_list,
     int_list,
     name_list,
+    old_spellings,
     sfi_options,
 )
 from sfi.config import SFIConfig, parse_overrides
@@ -29,19 +30,21 @@ DEFAULT_METHODS = "full,sfi,streamingllm,snapkv,pyramidkv,h2o,tova,quest"
 ALL_TASKS = "passkey,niah,niah_multikey,niah_multivalue,niah_multiquery,vt,sequential,fidelity"
 
 
+@old_spellings(budgets="--budget")
 def eval_cmd(
     model: ModelOpt = "default",
     tasks: Annotated[str, typer.Option(help=f"comma-separated: {ALL_TASKS}")] = ALL_TASKS,
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] =
         "4096",
-    methods: Annotated[str, typer.Option(help="full, sfi, sfi:<preset> (sfi:paper), "
-                                         "sfi:exact[:<preset>] (exact mode), sfi+<scorer>, "
+    methods: Annotated[str, typer.Option(help="full, sfi, sfi:PRESET (sfi:paper), "
+                                         "sfi:exact[:PRESET] (exact mode), sfi+SCORER, "
                                          "streamingllm, snapkv, pyramidkv, h2o, tova, quest; "
                                          "name@budget pins a method's budget")] =
         DEFAULT_METHODS,
-    budget: Annotated[str, typer.Option(help="tokens kept per KV head: a fraction of the "
-                                        "context (<= 1) or tokens (> 1); comma-separated to "
-                                        "sweep")] = "0.15",
+    budgets: Annotated[str, typer.Option(help="C, the tokens every method keeps per KV head "
+                                         "(for SFI: S + K + R): a fraction of the context "
+                                         "(<= 1) or tokens (> 1); comma-separated to sweep")]
+        = "0.15",
     samples: Annotated[int, typer.Option(help="samples per task and context")] = 4,
     seed: Annotated[int, typer.Option(help="seed of the task generators")] = 0,
     fidelity_tokens: Annotated[int, typer.Option(help="teacher-forced continuation length")] =
@@ -71,8 +74,8 @@ def eval_cmd(
     task_list = name_list("--tasks", tasks, TASKS)
     context_list = int_list("--contexts", contexts)
     method_list = name_list("--methods", methods)
-    budgets = float_list("--budget", budget)
-    parse_runs(method_list, budgets)  # unknown methods fail before the model loads
+    budget_list = float_list("--budgets", budgets)
+    parse_runs(method_list, budget_list)  # unknown methods fail before the model loads
     overrides = parse_overrides(set_ or [])
     build_config(extra=set_)  # a clear error for a value the config refuses
     if samples < 1 or fidelity_tokens < 1:
@@ -100,14 +103,15 @@ def eval_cmd(
             progress.update(bar, description=f"{task} @ {context}, sample {index + 1}")
             progress.advance(bar)
 
-        rows = run_eval(loaded_model, tokenizer, task_list, context_list, method_list, budgets,
+        rows = run_eval(loaded_model, tokenizer, task_list, context_list, method_list,
+                        budget_list,
                         samples, seed=seed, fidelity_tokens=fidelity_tokens, tag=tag,
                         on_sample=advance, store=prefill_cache, overrides=overrides,
                         on_rows=keep, done={(r["task"], r["context"], r["sample"])
                                             for r in earlier})
     result: dict[str, Any] = {
         "model": model, "tasks": task_list, "contexts": context_list, "methods": method_list,
-        "budgets": budgets, "samples": samples, "seed": seed, "sfi_overrides": set_ or [],
+        "budgets": budget_list, "samples": samples, "seed": seed, "sfi_overrides": set_ or [],
         "command": "sfi eval " + " ".join(sys.argv[2:]),
         "rows": earlier + [r.to_dict() for r in rows]}
     result["summary"] = summarize(result["rows"])
@@ -140,8 +144,8 @@ def diagnose_cmd(
     task: Annotated[str, typer.Option(help="the task of the sample")] = "passkey",
     context: Annotated[int, typer.Option(help="prompt length in tokens")] = 4096,
     seed: Annotated[int, typer.Option(help="the sample's seed (as in sfi eval)")] = 0,
-    budget: Annotated[float, typer.Option(help="tokens per KV head: a fraction (<= 1) or "
-                                          "tokens")] = 0.15,
+    budget: Annotated[float, typer.Option(help="C, the tokens kept per KV head (S + K + R): a "
+                                          "fraction of the context (<= 1) or tokens")] = 0.15,
     methods: Annotated[str, typer.Option(help="SFI methods, e.g. sfi,sfi:paper,"
                                          "sfi[page_size=16,pin_fraction=0.5]")] =
         "sfi,sfi:paper",

@@ -16,6 +16,7 @@ from sfi.cli_options import (
     JsonOpt,
     ModelOpt,
     WeightsOpt,
+    old_spellings,
     sfi_options,
 )
 from sfi.config import SFIConfig
@@ -37,16 +38,9 @@ def _summary(result) -> str:
 
 
 def _dense_why(result) -> str:
-    """Why an SFI decode had dense steps: its context was below S + K + R, or below the
-    break-even of the cost model (``SFIConfig.min_skip`` and ``min_gain``)."""
-    if result.mode != "sfi" or not result.stats.dense_steps or result.config is None:
-        return ""
-    config = result.config
-    start = config.sparse_from(result.weight_positions)
-    where = f"below {start:,} tokens" if start is not None else "at every context"
-    why = "sparse reads would not pay (min_skip, min_gain)" \
-        if config.min_skip or config.min_gain > 1.0 else "S + K + R covers the context"
-    return f"; dense {where}, where {why}"
+    """Why an SFI decode had dense steps (``DecodeStats.dense_reason``), for the summary."""
+    reason = result.stats.dense_reason if result.mode == "sfi" else None
+    return f"; dense because {reason}" if reason else ""
 
 
 class _StreamPrinter:
@@ -123,7 +117,9 @@ def generate_cmd(
                                       "forwards verify: full attention's tokens)")] = "sfi",
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = False,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling: keep the likeliest tokens up "
+                                         "to this probability mass (with --temperature > 0)")]
+        = 1.0,
     seed: Annotated[int | None, typer.Option(help="sampling seed")] = None,
     stream: Annotated[bool, typer.Option("--stream", help="print the text as it is decoded")]
         = False,
@@ -132,18 +128,19 @@ def generate_cmd(
     weights: WeightsOpt = "native",
     as_json: JsonOpt = False,
 ) -> None:
-    """Generate a continuation of a prompt with slow-fast decoding (or full attention, or exact
-    mode: SFI's speed where drafts are accepted, full attention's tokens always)."""
+    """Generate a continuation of a prompt with slow-fast decoding.
+
+    --mode full decodes with full attention; --mode exact gives full attention's tokens at
+    SFI's speed where its drafts are accepted. Instruct models (the default model is one)
+    answer a question only with --chat."""
     if (prompt is None) == (prompt_file is None):
         raise SFIError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    if prompt_file is not None and not prompt_file.is_file():
-        raise SFIError(f"prompt file {prompt_file} does not exist")
     if prefill_chunk < 0:
         raise SFIError(f"--prefill-chunk must be >= 0 (0: one forward), got {prefill_chunk}")
     if stream and as_json:
         raise SFIError("--stream prints the text as it comes and --json one object at the end: "
                        "choose one")
-    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    text = prompt if prompt is not None else read_prompt_file(prompt_file)
     if not text.strip():
         raise PromptError("the prompt is empty: give some text to continue")
     from sfi.decode import MODES
@@ -167,14 +164,14 @@ def generate_cmd(
 
 
 @sfi_options
+@old_spellings(max_new_tokens="--answer-tokens")
 def demo_cmd(
     config: SFIConfig | None,
     model: ModelOpt = "default",
     context: Annotated[int, typer.Option(help="document length in tokens (essay text)")] =
         7500,
-    seed: Annotated[int | None, typer.Option(help="which fact is hidden, and where (default: "
-                                             "sfi.demo.DEMO_SEED)")] = None,
-    answer_tokens: Annotated[int, typer.Option(help="length of the longer answer, in tokens")]
+    seed: Annotated[int, typer.Option(help="which fact is hidden, and where")] = 1,
+    max_new_tokens: Annotated[int, typer.Option(help="length of the longer answer, in tokens")]
         = 128,
 ) -> None:
     """The main job: one long document, a hidden fact and an essay, full attention and SFI."""
@@ -188,18 +185,34 @@ def demo_cmd(
     def on_answer(question: str, mode: str) -> None:
         progress.update(reading, visible=False)
         side = "full attention" if mode == "full" else "SFI"
-        progress.reset(answering, total=answer_tokens if question == "explanation" else None,
+        progress.reset(answering, total=max_new_tokens if question == "explanation" else None,
                        description=f"answering the {question} question ({side})", visible=True)
 
     with progress:
         result = run_demo(loaded_model, tokenizer, context=context, config=config,
-                          answer_tokens=answer_tokens,
-                          **({} if seed is None else {"seed": seed}),
+                          answer_tokens=max_new_tokens, seed=seed,
                           on_prefill=lambda done, total: progress.update(
                               reading, completed=done, total=total),
                           on_answer=on_answer,
                           on_token=lambda token: progress.advance(answering))
     _print_demo(result)
+
+
+def read_prompt_file(path: Path) -> str:
+    """The text of ``--prompt-file``, or a one-line error: no such file, a folder, unreadable,
+    or not UTF-8 text."""
+    if path.is_dir():
+        raise SFIError(f"--prompt-file: {str(path)!r} is a folder, not a file")
+    if not path.exists():
+        raise SFIError(f"--prompt-file: no file {str(path)!r}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"--prompt-file: {str(path)!r} is not UTF-8 text (byte "
+                          f"{exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise SFIError(f"--prompt-file: cannot read {str(path)!r}: "
+                       f"{exc.strerror or exc}") from None
 
 
 def _print_demo(result) -> None:

@@ -14,6 +14,7 @@ from sfi.cli_options import (
     ModelOpt,
     WeightsOpt,
     int_list,
+    old_spellings,
     sfi_options,
 )
 from sfi.config import SFIConfig
@@ -89,12 +90,14 @@ LOADTEST_KEYS = ("requests", "errors", "requests_per_s", "tokens_per_s", "ttft_p
                  "server_peak_rss_mb")
 
 
+@old_spellings(max_new_tokens="--max-tokens")
 def loadtest_cmd(
     url: Annotated[str, typer.Option(help="a running sfi serve (loopback)")] =
         "http://127.0.0.1:8000",
     clients: Annotated[int, typer.Option(help="concurrent streaming clients")] = 4,
     duration: Annotated[float, typer.Option(help="seconds to keep sending")] = 60.0,
-    max_tokens: Annotated[int, typer.Option(help="tokens per request")] = 64,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per request (the requests' "
+                                                "max_tokens)")] = 64,
     mode: Annotated[str, typer.Option(help="sfi | full | exact")] = "sfi",
     prompt_chars: Annotated[str, typer.Option(
         help="prompt length in characters; several (comma-separated) mix short and long "
@@ -112,11 +115,12 @@ def loadtest_cmd(
     host = urlparse(url).hostname or ""
     if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
         raise SFIError(f"loadtest sends traffic to loopback addresses only, not {host!r}")
-    if clients < 1 or duration <= 0 or max_tokens < 1 or mode not in ("sfi", "full", "exact"):
-        raise SFIError("--clients and --max-tokens must be >= 1, --duration > 0, "
+    if clients < 1 or duration <= 0 or max_new_tokens < 1 or \
+            mode not in ("sfi", "full", "exact"):
+        raise SFIError("--clients and --max-new-tokens must be >= 1, --duration > 0, "
                        "--mode sfi|full|exact")
     lengths = int_list("--prompt-chars", prompt_chars)
-    result = run_loadtest(url, clients, duration, max_tokens, mode, lengths, model, api_key)
+    result = run_loadtest(url, clients, duration, max_new_tokens, mode, lengths, model, api_key)
     if as_json:
         print(json.dumps(result))
         return
