@@ -1,5 +1,5 @@
 """Eviction baselines and their scorers, each against a transcription of its rule
-(``../shared/BASELINES.md``), and the masked cache's invariants on tiny models."""
+(``docs/method.md``, the baselines), and the masked cache's invariants on tiny models."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A compact rebuild that is not ready yet: its rows read densely, then switch when it lands.
 
-This exercises, on CPU, the mechanism the CUDA side stream uses (METHOD.md section 4)."""
+This exercises, on CPU, the mechanism the CUDA side stream uses (docs/method.md section 4)."""
 
 from __future__ import annotations
 

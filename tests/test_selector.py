@@ -1,4 +1,4 @@
-"""Each Selector stage against a direct transcription of METHOD.md section 3."""
+"""Each Selector stage against a direct transcription of docs/method.md section 3."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Where a slow step's Selector and compact rebuild run: stacked over layers, inline, or on a
 CUDA side stream.
 
-METHOD.md section 4: the reference overlaps the Selector and the rebuild of the compact buffer
+docs/method.md section 4: the reference overlaps the Selector and the rebuild of the compact buffer
 with the following layers' work on a second CUDA stream; a sequence whose rebuild is not ready
 yet reads densely. A rebuild is staged (packed into separate tensors) and committed into the
 layer's compact buffer when its layer next runs and finds it ready. On CPU the refreshes of a

@@ -1,5 +1,5 @@
 """One refresh's selection, engine-neutral: from a slow step's evidence to the positions each
-refreshing row keeps (METHOD.md section 3, stages 1-6).
+refreshing row keeps (docs/method.md section 3, stages 1-6).
 
 Both engines select through :func:`select`: the transformers layers (every slow row of a batch,
 grouped by scorer and rule with :func:`select_groups`) and the vLLM plugin (every request that

@@ -1,4 +1,4 @@
-"""The eviction rules of the usual training-free KV baselines (``../shared/BASELINES.md``).
+"""The eviction rules of the usual training-free KV baselines (``docs/method.md``, the baselines).
 
 Each policy owns a budget ``capacity``: C, the tokens each KV head keeps (attends to, for Quest).
 Scoring comes from the same scorers SFI's slow steps can use (``sfi.scorers``); a policy only
