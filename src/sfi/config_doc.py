@@ -24,10 +24,11 @@ HEADER = """# Configuration reference
 sfi.config.SFIConfig: edit those, not this page -->
 
 `SFIConfig()` is the **default preset**; `SFIConfig.paper()` (`--preset paper`, the eval method
-`sfi:paper`) is the paper exactly ([the method](method.md), section 7), kept for reproduction. Any field can be set on top of
-either: `SFIConfig.paper(k_head=1024)` in Python, `--set name=value` (or the named flags
-`--sink`, `--recent`, `--k-head`, `--k-fraction`, ...) on the command line and for `sfi serve`,
-`name=value` items in `SFI_VLLM`, and brackets in an eval method name
+`sfi:paper`) is the paper exactly ([the method](method.md), section 7), kept for reproduction.
+Any field can be set on top of either: `SFIConfig.paper(k_head=1024)` in Python,
+`--set name=value` (or the named flags `--sink`, `--recent`, `--k-head`, `--k-fraction`, ...)
+on the command line and for `sfi serve`, `name=value` items in `SFI_VLLM`, and brackets in an
+eval method name
 (`sfi:paper[nms_strength=0]`); a server request may change only its budget (`"sfi":
 {"k_head": ...}` or `{"k_fraction": ...}`). Values in **bold** are where the two presets
 differ.

@@ -91,7 +91,8 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Group, rich_markup_mode="markdown",
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Group,
+                  rich_markup_mode="markdown",
                   help="Slow-Fast Inference: fast long-context decoding for transformers models.")
 
 
