@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--max-stall-ms", type=float, default=None)
     parser.add_argument("--join-tokens", type=int, default=3000)
     args = parser.parse_args()
-    sfi.keep_freed_memory()
+    sfi.runtime.keep_freed_memory()
     model, tokenizer = sfi.load("default")
     limits = {}
     if args.prefill_chunk is not None:

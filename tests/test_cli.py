@@ -298,3 +298,37 @@ def test_version():
 
     result = run_cli_here("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"sfi {__version__}"
+
+
+def test_every_command_quoted_in_the_docs_names_real_options():
+    """The README's and the docs' ``sfi COMMAND --option`` lines use options the command has
+    (under their current spelling), so that they run as written."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    options = _visible_options()
+    pages = [root / "README.md", *(root / "docs").rglob("*.md")]
+    checked = 0
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                for match in re.finditer(r"(?:^|[\s/(])sfi ([a-z-]+)((?:\s+[^|;&#\s]+)*)", line):
+                    command, rest = match.group(1), match.group(2)
+                    if command not in options:
+                        continue
+                    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest))
+                    unknown = flags - options[command] - {"--help"}
+                    assert not unknown, (page.name, line.strip(), unknown)
+                    checked += 1
+    assert checked > 20  # the docs do quote commands
+
+
+def test_the_demos_default_seed_is_the_demos_own():
+    import inspect
+
+    from sfi.cli.generate import demo_cmd
+    from sfi.demo import DEMO_SEED
+
+    assert inspect.signature(demo_cmd).parameters["seed"].default == DEMO_SEED

@@ -295,7 +295,7 @@ def test_shared_length_leaves_each_prompt_its_window():
 
 
 def test_the_repetition_guard_bans_what_would_repeat_an_ngram_of_the_answer():
-    from sfi.decode import repeated_ngram_tokens
+    from sfi.steps import repeated_ngram_tokens
 
     tokens = [1, 2, 3, 9, 1, 2]
     assert repeated_ngram_tokens(tokens, 3) == [3]  # 1 2 3 is there: 3 may not follow 1 2

@@ -70,6 +70,8 @@ def test_left_padding_puts_the_real_tokens_last(smol_tokenizer):
     (torch.tensor([0.5, 1.5]), {}, "a tensor prompt must hold token ids"),
     (42, {}, "a prompt is text, a chat message list or token ids, got int"),
     (["fine", 3.5], {}, "each prompt of a batch is text, a chat message list or token ids"),
+    (["fine", torch.tensor([], dtype=torch.long)], {}, "a tensor prompt must hold token ids"),
+    (["fine", torch.tensor([1.0, 2.0])], {}, "a tensor prompt must hold token ids"),
 ])
 def test_a_prompt_that_is_none_of_the_forms_is_refused(tiny_llama_with_tokenizer, prompt,
                                                        kwargs, message):
@@ -91,6 +93,11 @@ def test_k_fraction_alone_is_the_budget():
     assert SFIConfig().k_head == 2048 and type(SFIConfig().k_head) is int
     with pytest.raises(sfi.SFIConfigError, match="not both"):
         SFIConfig(k_head=2048, k_fraction=0.15)
+    assert SFIConfig().replace(k_fraction=0.1).k_head is None  # dataclasses.replace refuses
+    assert SFIConfig(k_fraction=0.1).replace(k_head=512).k_fraction is None
+    from sfi.methods import parse_method
+
+    assert parse_method("sfi[k_fraction=0.1]").sfi_config().budget(1000) == 100
 
 
 def test_sfi_says_once_why_it_stayed_dense(tiny_llama_with_tokenizer, caplog, monkeypatch):

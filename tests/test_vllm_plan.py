@@ -151,6 +151,8 @@ def test_slots_of_finished_requests_are_reused():
         plans = requests.plan([3, 4, 5], [1, 1, 1], [t + 1, t + 1, t])
         assert [p.kind for p in plans] == [FAST, FAST, DENSE] and plans[2].record == 0
     assert requests.stats.unslotted == 1
+    # full attention by choice (no slot), not because sparse reads would not pay
+    assert requests.requests[5].seq.stats.dense_reason is None
     requests.plan([6], [40], [40])  # 3, 4 and 5 finished: 5 is forgotten, 6 takes 3's slot
     assert sorted(requests.requests) == [4, 6] and requests.requests[6].slot == 0
 

@@ -91,9 +91,9 @@ def smol(default_path) -> Iterator:
 def essay_prompts(tokenizer) -> list[list[int]]:
     """Three prompts of 700-1,500 tokens cut from the essays (long enough for fast steps at
     K = 128, R = 64)."""
-    from sfi.texts import long_text
+    from sfi.texts import essay
 
-    text = long_text(tokenizer, 1500)
+    text = essay(1500, tokenizer)
     texts = [text + "\nSummary:", text[:3000] + "\nIn short,", text[2000:6000] + "\nThe author"]
     return [tokenizer(t)["input_ids"] for t in texts]
 

@@ -2,9 +2,11 @@
 
 Most decode steps attend to a small memory (sink + selected + recent tokens); at sentence
 boundaries, or when a reuse budget runs out, a slow step attends densely and the Selector
-refreshes the selected set. The method is described in the project's ``docs/method.md``
-(https://arxiv.org/abs/2603.12038 for the paper); start with :func:`load` and
-:func:`generate`, or :class:`SlowFastCache` inside ``model.generate``.
+refreshes the selected set (Xie et al., https://arxiv.org/abs/2603.12038; the project's
+documentation, in ``docs/`` of its source tree, describes the method and every option).
+
+Start with :func:`load` and :func:`generate`, or :class:`SlowFastCache` inside
+``model.generate``; ``help(sfi.SFIConfig)`` lists every knob.
 
 The names below are imported on first use, so that ``import sfi`` (and ``sfi --help``) does
 not load torch and transformers until something needs them.

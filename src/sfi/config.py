@@ -203,7 +203,7 @@ class SFIConfig:
             raise SFIConfigError(
                 "give the budget either as k_head (tokens per KV head) or as k_fraction "
                 f"(fraction of the context), not both (got k_head={self.k_head!r}, "
-                f"k_fraction={self.k_fraction!r})"
+                f"k_fraction={self.k_fraction!r}); set the other to None"
             )
         if self.k_head is None and self.k_fraction is None:
             raise SFIConfigError("a budget is needed: set k_head (tokens) or k_fraction")
@@ -309,18 +309,33 @@ class SFIConfig:
         """The configuration named ``name`` (see :data:`PRESETS`), with ``overrides``.
 
         Giving ``k_fraction`` alone switches the budget to a fraction (``k_head`` becomes
-        None)."""
+        None), and ``k_head`` alone back to tokens."""
         if name not in PRESETS:
             raise SFIConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-        values = {**PRESETS[name], **overrides}
-        if "k_fraction" in overrides and "k_head" not in overrides:
-            values["k_head"] = None
-        return cls(**values)
+        return cls(**_with_budget(PRESETS[name], overrides))
+
+    def replace(self, **changes: Any) -> SFIConfig:
+        """This configuration with ``changes``; a budget given one way alone replaces the
+        other (``k_fraction`` alone sets ``k_head`` to None, and ``k_head`` alone the
+        fraction), where ``dataclasses.replace`` would refuse two budgets."""
+        return type(self)(**_with_budget({f.name: getattr(self, f.name) for f in fields(self)},
+                                         changes))
 
     @classmethod
     def paper(cls, **overrides: Any) -> SFIConfig:
         """docs/method.md exactly (the paper's Selector and defaults), with ``overrides``."""
         return cls.from_preset("paper", **overrides)
+
+
+def _with_budget(values: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``values`` updated with ``changes``, where a budget given one way alone (``k_head`` or
+    ``k_fraction``) clears the other."""
+    out = {**values, **changes}
+    if "k_fraction" in changes and "k_head" not in changes:
+        out["k_head"] = None
+    elif "k_head" in changes and "k_fraction" not in changes:
+        out["k_fraction"] = None
+    return out
 
 
 # Every field docs/method.md fixes, with the value it gives: the "paper" preset reproduces the paper

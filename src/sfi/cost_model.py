@@ -74,4 +74,5 @@ def dense_reason(config: Any, weight_positions: int = 0) -> str:
         return (f"sparse decoding never pays with this budget ({rule}): every step is dense; "
                 "lower k_fraction or k_head")
     return (f"the context is shorter than {start:,} tokens, where sparse decoding starts to pay "
-            f"for this model and budget ({rule}); force_sparse=True decodes sparsely anyway")
+            f"for this model and budget ({rule}); force_sparse (--force-sparse) decodes sparsely "
+            "anyway")

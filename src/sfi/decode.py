@@ -36,7 +36,7 @@ from sfi.methods import build_cache
 from sfi.prompts import Prompts, encode_prompts
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
-from sfi.steps import decode_one, extended_mask, sample_next
+from sfi.steps import decode_one, extended_mask, repeated_ngram_tokens, sample_next
 
 Mode = Literal["sfi", "full", "exact"]
 MODES: tuple[str, ...] = ("sfi", "full", "exact")
@@ -119,16 +119,6 @@ def prefill(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *,
         if continues is not None:
             cache.prompt_continues = continues  # as the caller set it, even after a failure
     return out.logits[:, -1]
-
-
-def repeated_ngram_tokens(tokens: Sequence[int], n: int) -> list[int]:
-    """The tokens that would make the last ``n - 1`` of ``tokens`` into an ``n``-gram that
-    ``tokens`` already holds (transformers' ``no_repeat_ngram_size``, over the answer only)."""
-    if n < 1 or len(tokens) < n:
-        return []
-    tail = list(tokens[len(tokens) - n + 1:]) if n > 1 else []
-    return [tokens[i + n - 1] for i in range(len(tokens) - n + 1)
-            if list(tokens[i:i + n - 1]) == tail]
 
 
 def continue_greedy(model: torch.nn.Module, cache: Any, ids: torch.Tensor, start: int,
@@ -359,9 +349,9 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: Prompts, *,
         on_prefill: called as ``on_prefill(done, total)`` after each prefill forward.
 
     Returns:
-        A :class:`GenerateResult` for one prompt, a list of them for a batch. Where SFI kept
-        every step dense (the context too short for sparse reads to pay), its
-        ``stats.dense_reason`` says why and a notice is logged once.
+        A :class:`GenerateResult` for one prompt, a list of them for a batch. Where SFI took
+        dense steps because the context was too short for sparse reads to pay, its
+        ``stats.dense_reason`` says why and a notice is logged once per process.
     """
     if mode not in MODES:
         raise SFIError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")

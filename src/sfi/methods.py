@@ -74,7 +74,7 @@ class Method:
         values = {**(overrides or {}), **dict(self.fields)}
         if self.preset is not None:
             return SFIConfig.from_preset(self.preset, **values)
-        return replace(base or SFIConfig(), **values)
+        return (base or SFIConfig()).replace(**values)
 
     @property
     def needs_history(self) -> bool:

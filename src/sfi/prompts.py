@@ -55,11 +55,16 @@ def _is_conversation(value: Any) -> bool:
             and all(isinstance(v, Mapping) for v in value))
 
 
+def _check_tensor(prompt: torch.Tensor, dims: tuple[int, ...]) -> None:
+    if prompt.dim() not in dims or prompt.numel() == 0 or prompt.is_floating_point() \
+            or prompt.is_complex() or prompt.dtype == torch.bool:
+        raise PromptError("a tensor prompt must hold token ids: integers, [T] or [B, T]")
+
+
 def split_prompts(prompt: Prompts) -> tuple[list[Prompt], bool]:
     """``(the prompts as a list, whether one was given)``; refuses what is none of the forms."""
     if isinstance(prompt, torch.Tensor):
-        if prompt.dim() not in (1, 2) or prompt.numel() == 0 or prompt.is_floating_point():
-            raise PromptError("a tensor prompt must hold token ids: integers, [T] or [B, T]")
+        _check_tensor(prompt, (1, 2))
         return ([prompt] if prompt.dim() == 1 else list(prompt)), prompt.dim() == 1
     if isinstance(prompt, str) or _is_ids(prompt) or _is_conversation(prompt):
         return [prompt], True
@@ -76,7 +81,7 @@ def _ids_of(tokenizer: Any, prompt: Prompt, chat: bool, vocab: int | None) -> li
         if not prompt.strip():
             raise PromptError(EMPTY)
         if chat:
-            return _templated(tokenizer, [{"role": "user", "content": prompt}])
+            return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
         return list(tokenizer(prompt)["input_ids"])
     if _is_conversation(prompt):
         for message in prompt:
@@ -84,11 +89,13 @@ def _ids_of(tokenizer: Any, prompt: Prompt, chat: bool, vocab: int | None) -> li
                                                                           str):
                 raise PromptError("each chat message needs a 'role' and a 'content' string, got "
                                   f"{dict(message)!r}")
-        return _templated(tokenizer, list(prompt))
+        return chat_ids(tokenizer, list(prompt))
     if _is_ids(prompt):
         if chat:
             raise PromptError("chat applies the chat template to text; token ids are used as "
                               "given (pass the text, or a chat message list)")
+        if isinstance(prompt, torch.Tensor):
+            _check_tensor(prompt, (1,))
         ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(v) for v in prompt]
         bad = [v for v in ids if v < 0 or (vocab is not None and v >= vocab)]
         if bad:
@@ -101,7 +108,9 @@ def _ids_of(tokenizer: Any, prompt: Prompt, chat: bool, vocab: int | None) -> li
                       f"{type(prompt).__name__}")
 
 
-def _templated(tokenizer: Any, messages: list[Message]) -> list[int]:
+def chat_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+    """The token ids of a conversation in ``tokenizer``'s chat template, the assistant's turn
+    opened (what ``sfi.generate`` and the server's chat endpoint feed the model)."""
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("this tokenizer has no chat template: pass the prompt as text")
     text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,

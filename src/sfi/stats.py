@@ -39,8 +39,9 @@ class DecodeStats:
         exact_dense_steps: exact mode's dense decode steps, taken where drafting cannot pay
             (the measured step times and acceptance say so, ``sfi.draft_length.DraftLength``).
         dense_reason: why an SFI sequence took dense steps (its context below the length where
-            sparse decoding pays, :func:`sfi.cost_model.dense_reason`); None when it took none
-            for that reason (and for full attention, which is dense by choice).
+            sparse decoding pays, :func:`sfi.cost_model.dense_reason`), set at the first such
+            step and kept if the sequence turns sparse later; None when it took none for that
+            reason (and for full attention and exact mode's own dense steps, dense by choice).
     """
 
     slow_steps: int = 0

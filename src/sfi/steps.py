@@ -6,6 +6,7 @@ Shapes: B sequences, V vocabulary, T cache length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -58,3 +59,13 @@ def token_distribution(logits: torch.Tensor, temperature: float, top_p: float) -
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return probs
+
+
+def repeated_ngram_tokens(tokens: Sequence[int], n: int) -> list[int]:
+    """The tokens that would make the last ``n - 1`` of ``tokens`` into an ``n``-gram that
+    ``tokens`` already holds (transformers' ``no_repeat_ngram_size``, over the answer only)."""
+    if n < 1 or len(tokens) < n:
+        return []
+    tail = list(tokens[len(tokens) - n + 1:]) if n > 1 else []
+    return [tokens[i + n - 1] for i in range(len(tokens) - n + 1)
+            if list(tokens[i:i + n - 1]) == tail]

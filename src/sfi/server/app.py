@@ -20,7 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sfi.decode import MODES
-from sfi.errors import SFIError
+from sfi.errors import PromptError, SFIError
+from sfi.prompts import chat_ids
 from sfi.server.engine import Engine
 from sfi.server.guard import Access, Guard, is_loopback
 from sfi.server.requests import QueueFullError
@@ -65,9 +66,10 @@ async def chat(body: ChatRequest, http: Request) -> Any:
     messages = [m.model_dump() for m in body.messages]
 
     def tokenize() -> list[int]:
-        ids = state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True)
-        return list(ids if isinstance(ids, list) else ids["input_ids"])
+        try:
+            return chat_ids(state.engine.tokenizer, messages)
+        except PromptError as exc:  # a model without a chat template
+            raise APIError(400, str(exc), param="messages") from None
 
     request = prepare(state, body, await run_in_threadpool(tokenize), "messages")
     return await respond(state, request, bool(body.stream), ChatFormat(state.model_name), http)

@@ -215,9 +215,10 @@ class RequestBook:
             self._release(state)
         slot = self._take_slot(live)
         c = self.config
-        seq = SequenceState(pad=0, config=c,
+        seq = SequenceState(pad=0, config=c,  # without a slot: stock attention, by choice
                             trigger=make_trigger(c, self.classes, self.stats.requests),
-                            scorer=self.scorer, weight_positions=self.weight_positions)
+                            scorer=self.scorer, dense_only=slot is None,
+                            weight_positions=self.weight_positions)
         state = RequestState(key=key, slot=slot, seq=seq, serial=next(_SERIALS))
         self.requests[key] = state
         self.stats.requests += 1
