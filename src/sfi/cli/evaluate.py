@@ -33,7 +33,8 @@ ALL_TASKS = "passkey,niah,niah_multikey,niah_multivalue,niah_multiquery,vt,seque
 @old_spellings(budgets="--budget")
 def eval_cmd(
     model: ModelOpt = "default",
-    tasks: Annotated[str, typer.Option(help=f"comma-separated: {ALL_TASKS}")] = ALL_TASKS,
+    tasks: Annotated[str, typer.Option(
+        help="comma-separated, from: " + ALL_TASKS.replace(",", ", "))] = ALL_TASKS,
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] =
         "4096",
     methods: Annotated[str, typer.Option(help="full, sfi, sfi:PRESET (sfi:paper), "
@@ -195,7 +196,8 @@ def diagnose_cmd(
 
 
 def report_cmd(
-    results: Annotated[list[Path], typer.Argument(help="results.json files of sfi eval runs "
+    results: Annotated[list[Path], typer.Argument(metavar="RESULTS.json",
+                                                  help="results.json files of sfi eval runs "
                                                   "of one model")],
     out: Annotated[Path, typer.Option(help="write the merged results.json, report.md and "
                                       "plots here")],

@@ -110,8 +110,9 @@ def _generate(model, tokenizer, prompt: str, quiet: bool, label: str, stream: bo
 def generate_cmd(
     config: SFIConfig | None,
     model: ModelOpt = "default",
-    prompt: Annotated[str | None, typer.Option(help="the prompt text")] = None,
-    prompt_file: Annotated[Path | None, typer.Option(help="read the prompt from a file")] = None,
+    prompt: Annotated[str | None, typer.Option(help="the prompt text (or --prompt-file)")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(
+        help="read the prompt from a UTF-8 text file (or --prompt)")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 128,
     mode: Annotated[str, typer.Option(help="sfi | full | exact (fast steps draft, dense "
                                       "forwards verify: full attention's tokens)")] = "sfi",
@@ -174,7 +175,11 @@ def demo_cmd(
     max_new_tokens: Annotated[int, typer.Option(help="length of the longer answer, in tokens")]
         = 128,
 ) -> None:
-    """The main job: one long document, a hidden fact and an essay, full attention and SFI."""
+    """Side by side: one long document with a hidden fact, answered by full attention and SFI.
+
+    The document (essays, --context tokens) is prefilled once; both sides continue copies of
+    that prefill, answering the fact's question and writing a short essay, where the decode
+    speed shows."""
     from sfi.demo import run_demo
 
     loaded_model, tokenizer = load_model(model, False)

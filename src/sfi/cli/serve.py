@@ -36,8 +36,8 @@ def serve_cmd(
     served_model_name: Annotated[str | None, typer.Option(
         help="the model's name in the API (default: --model, or a folder's last part)")] = None,
     allowed_host: Annotated[list[str] | None, typer.Option(
-        help="a Host header name to answer (repeatable; '*' = any; default: the loopback "
-             "names when --host is loopback, else any)")] = None,
+        metavar="HOST", help="a Host header name to answer (repeatable; '*' = any; default: "
+        "the loopback names when --host is loopback, else any)")] = None,
     max_body_mb: Annotated[float, typer.Option(help="larger request bodies get 413")] = 4.0,
     request_timeout: Annotated[float | None, typer.Option(
         help="seconds a request may take before it fails")] = 600.0,
