@@ -81,8 +81,7 @@ class SFIConfig:
     """Sparse decoding starts once a fast step would skip at least this many entries per KV
     head (the context minus S + K + R); until then every step is dense. Below it a fast step's
     own costs (the compact gather, the coverage probes, the bookkeeping) outweigh the reads it
-    saves: at batch 1 on this project's CPU, SmolLM2 with K = 2,048 and R = 256 decoded
-    0.78-0.91x full attention's speed at 2,560-3,584 tokens and 1.05x at 4,096. A decision per
+    saves (measured in docs/benchmarks.md, "Where sparse decoding starts"). A decision per
     sequence, from its context alone (never the batch or timings), so that a batched decode
     equals each row decoded alone and a run repeats. 0: sparse as soon as S + K + R fit
     (the paper's rule, the paper preset)."""
@@ -92,11 +91,10 @@ class SFIConfig:
     model's weights W counted in KV positions of the same byte width
     (``sfi.cost_model.weight_positions``; weights and KV both stream once per step at batch
     1). Where the weights outweigh the KV a fast step cannot save enough to pay for its own
-    costs: Qwen2.5-0.5B (W = 80,397 positions) decoded 0.97-1.00x stock vLLM at 4-8K, batch 1,
-    and 0.85x at 4K, batch 4, on this project's CPU, 1.12-1.38x at 16-32K; with 1.1 it turns
-    sparse from 10,579 tokens (K = 2,048, R = 256), and SmolLM2-135M (W = 11,673) from 3,707,
-    below ``min_skip``'s 3,844. Per sequence, from its context and the model alone. 1.0: no
-    such rule (the paper preset)."""
+    costs. With 1.1, K = 2,048 and R = 256, Qwen2.5-0.5B (W = 80,397 positions) turns sparse
+    from 10,579 tokens and SmolLM2-135M (W = 11,673) from 3,707, below ``min_skip``'s 3,844.
+    Per sequence, from its context and the model alone. 1.0: no such rule (the paper
+    preset)."""
     force_sparse: bool = False
     """Keep slow/fast steps even where ``min_skip`` or ``min_gain`` say dense (and when the
     context is shorter than S + K + R)."""
