@@ -34,14 +34,17 @@ ALL_TASKS = "passkey,niah,niah_multikey,niah_multivalue,niah_multiquery,vt,seque
 def eval_cmd(
     model: ModelOpt = "default",
     tasks: Annotated[str, typer.Option(
-        help="comma-separated, from: " + ALL_TASKS.replace(",", ", "))] = ALL_TASKS,
+        show_default=False,
+        help="comma-separated, from: " + ALL_TASKS.replace(",", ", ") + " (default: all)")]
+        = ALL_TASKS,
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] =
         "4096",
-    methods: Annotated[str, typer.Option(help="full, sfi, sfi:PRESET (sfi:paper), "
-                                         "sfi:exact[:PRESET] (exact mode), sfi+SCORER, "
-                                         "streamingllm, snapkv, pyramidkv, h2o, tova, quest; "
-                                         "name@budget pins a method's budget")] =
-        DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option(
+        show_default=False,
+        help="comma-separated, from: full, sfi, sfi:PRESET (sfi:paper), sfi:exact[:PRESET] "
+             "(exact mode), sfi+SCORER, streamingllm, snapkv, pyramidkv, h2o, tova, quest; "
+             "name@budget pins a method's budget (default: "
+             + DEFAULT_METHODS.replace(",", ", ") + ")")] = DEFAULT_METHODS,
     budgets: Annotated[str, typer.Option(help="C, the tokens every method keeps per KV head "
                                          "(for SFI: S + K + R): a fraction of the context "
                                          "(<= 1) or tokens (> 1); comma-separated to sweep")]
