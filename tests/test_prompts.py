@@ -131,6 +131,14 @@ def test_the_top_level_names_are_the_api():
     for name in sfi.__all__:
         assert getattr(sfi, name) is not None
     assert sfi.texts.essay.__module__ == "sfi.texts"  # submodules by attribute
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(sfi))
+    typed = {alias.asname or alias.name: node.module for block in tree.body
+             if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
+             for node in block.body for alias in node.names}
+    assert typed == sfi._EXPORTS  # what type checkers see is what sfi imports
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         sfi.nothing_here  # noqa: B018
 

@@ -77,23 +77,34 @@ def build_config(*, sink: int | None = None, recent: int | None = None, k_head: 
 def sfi_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Add the SFI options to a typer command, which then takes ``config: SFIConfig | None``
     (None when no SFI option was given)."""
-    signature = inspect.signature(command, eval_str=True)
-    own = [p for p in signature.parameters.values() if p.name != "config"]
     added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                                default=default)
              for name, (annotation, default) in SFI_OPTIONS.items()]
 
-    @functools.wraps(command)
-    def wrapper(**kwargs: Any) -> Any:
+    def call(kwargs: dict[str, Any]) -> Any:
         values = {name: kwargs.pop(name) for name in SFI_OPTIONS}
         given = any(value not in (None, False) for value in values.values())
         extra = values.pop("set_")
         config = build_config(**values, extra=extra) if given else None
         return command(config=config, **kwargs)
 
+    return _with_options(command, call, added, drop="config")
+
+
+def _with_options(command: Callable[..., Any], call: Callable[[dict[str, Any]], Any],
+                  added: list[inspect.Parameter], drop: str | None = None) -> Callable[..., Any]:
+    """``command`` as typer sees it with the parameters ``added`` (and without ``drop``):
+    typer parses the options of the new signature and ``call(kwargs)`` runs the command."""
+    signature = inspect.signature(command, eval_str=True)
+    params = [p for p in signature.parameters.values() if p.name != drop] + added
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        return call(kwargs)
+
     del wrapper.__wrapped__  # typer must read the signature below, not the command's
-    wrapper.__signature__ = signature.replace(parameters=own + added)
-    wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
+    wrapper.__signature__ = signature.replace(parameters=params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper
 
 
@@ -120,27 +131,21 @@ def old_spellings(**names: str) -> Callable[[Callable[..., Any]], Callable[..., 
     is a hidden option of the same type; given, it fills the parameter, with a note."""
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(command, eval_str=True)
-        params = signature.parameters
-        hidden = {}
+        params = inspect.signature(command, eval_str=True).parameters
+        hidden = []
         for name, flag in names.items():
             base = getattr(params[name].annotation, "__origin__", params[name].annotation)
-            hidden[f"{name}__old"] = inspect.Parameter(
+            hidden.append(inspect.Parameter(
                 f"{name}__old", inspect.Parameter.KEYWORD_ONLY, default=None,
-                annotation=Annotated[base | None, typer.Option(flag, hidden=True)])
+                annotation=Annotated[base | None, typer.Option(flag, hidden=True)]))
 
-        @functools.wraps(command)
-        def wrapper(**kwargs: Any) -> Any:
+        def call(kwargs: dict[str, Any]) -> Any:
             for name, flag in names.items():
                 kwargs[name] = renamed(kwargs[name], kwargs.pop(f"{name}__old"),
                                        _flag(params[name]), flag, params[name].default)
             return command(**kwargs)
 
-        del wrapper.__wrapped__  # typer must read the signature below, not the command's
-        own = list(params.values())
-        wrapper.__signature__ = signature.replace(parameters=own + list(hidden.values()))
-        wrapper.__annotations__ = {p.name: p.annotation for p in own + list(hidden.values())}
-        return wrapper
+        return _with_options(command, call, hidden)
 
     return decorate
 

@@ -282,7 +282,6 @@ class GenerateResult:
     finish_reason: str
     mode: str
     config: SFIConfig | None = field(default=None, repr=False)
-    weight_positions: int = field(default=0, repr=False)  # the cost model's W (sfi.cost_model)
 
     @property
     def new_tokens(self) -> int:
@@ -435,7 +434,6 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: Prompts, *,
     results = [GenerateResult(text=checker.text, token_ids=checker.tokens,
                               prompt_tokens=int(prompt_lengths[row]), stats=cache.stats(row),
                               timing=timing, finish_reason=checker.finish_reason or "length",
-                              mode=mode, config=cache.config if mode != "full" else None,
-                              weight_positions=getattr(cache, "weight_positions", 0))
+                              mode=mode, config=cache.config if mode != "full" else None)
                for row, checker in enumerate(checkers)]
     return results[0] if encoded.single else results
