@@ -63,12 +63,14 @@ class AttendingLayer:
         raise NotImplementedError
 
 
+@torch.compiler.disable
 def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
                   scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
                   ) -> tuple[torch.Tensor, Any]:
     """``query [B, Hq, Q, D]`` (RoPE applied), ``key``/``value`` ``[B, H, T, D]`` after the cache
-    update -> ``([B, Q, Hq, D], None)``."""
+    update -> ``([B, Q, Hq, D], None)``. Never traced by ``torch.compile``: the plan it
+    carries out changes from step to step (:mod:`sfi.compiled`)."""
     step = current_step()
     layer = step.layer(getattr(module, "layer_idx", -1)) if step is not None else None
     attend = getattr(layer, "attend", None)

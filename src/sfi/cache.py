@@ -24,6 +24,7 @@ from sfi.cost_model import weight_positions
 from sfi.errors import SFIError, UnsupportedModelError
 from sfi.hf import RoutingLease, text_config
 from sfi.layers import SlowFastLayer
+from sfi.layout import weight_byte_ratio
 from sfi.overlap import Rebuilder, make_rebuilder
 from sfi.planner import Planner, StepPlan, TriggerFactory
 from sfi.scorers import Scorer
@@ -82,7 +83,8 @@ class SlowFastCache(Cache):
 
         self._trigger_factory = trigger_factory
         self.dense_only = dense_only
-        self.weight_positions = weight_positions(model)  # the cost model's W (SFIConfig.min_gain)
+        # the cost model's W (SFIConfig.min_gain), at the bytes the weights are stored in
+        self.weight_positions = int(weight_positions(model) * weight_byte_ratio(model))
         self._layer_ids: tuple[int, ...] = ()
         self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._kinds: tuple[str, ...] = ()
@@ -94,6 +96,13 @@ class SlowFastCache(Cache):
         self.planner = Planner(self._layer_ids)
 
     # --- the routing hook's interface ----------------------------------------------------------
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' ``update``, never traced by ``torch.compile`` (:mod:`sfi.compiled`):
+        the layer it writes and what it returns change from step to step."""
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                       batch_size: int, query_length: int, device: torch.device) -> StepContext:
         """Plan the coming forward: per sequence dense, slow or fast (see ``sfi.planner``)."""

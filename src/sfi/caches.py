@@ -45,11 +45,14 @@ class DecodeCache(Protocol):
 
 
 class _CountedDenseCache:
-    """Mixin for transformers' caches: every decode step is dense and is counted."""
+    """Mixin for transformers' caches: every decode step is dense and is counted. ``update``
+    runs eagerly in a compiled step, as the slow-fast cache's does (:mod:`sfi.compiled`), so
+    both are compiled alike and the count is not a constant of the graph."""
 
     _decode_steps = 0
     _batch = 0
 
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == 0:

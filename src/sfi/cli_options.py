@@ -23,8 +23,11 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="default, qwen2.5-0
                                        "a .gguf file or a hub id")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 WeightsOpt = Annotated[str, typer.Option(
-    "--weights", help="linear-layer weights on an x86 CPU: native (exact) | bf16 (faster, not "
-    "exact: docs/eval/weight-formats.md)")]
+    "--weights", help="linear-layer weights on a CPU: native (exact) | bf16 (x86) | int8 "
+    "(faster, not exact: docs/eval/weight-formats.md)")]
+CompileOpt = Annotated[bool, typer.Option(
+    "--compile/--no-compile", help="compile the one-token decode steps with torch.compile "
+    "(seconds on first use, cached on disk; docs/benchmarks.md says when it pays)")]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="NAME=VALUE", help="any other SFIConfig field (repeatable)")]
 

@@ -32,6 +32,9 @@ from sfi.prefix import SharedPrefill
 from sfi.stats import DecodeStats
 
 SIDES: tuple[str, ...] = ("full", "sfi")
+#: the method of the full-attention side: the strongest dense decoding sfi has, a
+#: preallocated cache (transformers' ``StaticCache``) with the same weights and compile
+DENSE_BASELINE = "full-static"
 EXPLAIN = "Write a short essay about the main ideas of the text above."
 DEMO_SEED = 1  # the document, and where its fact hides: one that full attention answers right
 # The longer answer never repeats a 4-gram of its own (both sides alike), as chat front ends
@@ -144,7 +147,8 @@ def run_demo(model: torch.nn.Module, tokenizer: Any, *, context: int = 7500, see
         for mode in SIDES:
             if on_answer is not None:
                 on_answer(question, mode)
-            cache = build_cache(model, tokenizer, mode, config=config if mode == "sfi" else None,
+            method = "sfi" if mode == "sfi" else DENSE_BASELINE
+            cache = build_cache(model, tokenizer, method, config=config if mode == "sfi" else None,
                                 capacity=ids.shape[1] + budgets[question])
             shared.load(cache)
             begin = time.perf_counter()

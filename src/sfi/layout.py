@@ -26,6 +26,7 @@ from functools import cache
 import torch
 
 from sfi.errors import SFIError
+from sfi.int8_linear import Int8Linear
 
 #: the batch size oneDNN packs weights for; 4 rows was as fast as 1 for one row and fastest
 #: from 2 to 8 rows (decode batches) on the EPYC, and no slower at 512 rows (prefill)
@@ -33,12 +34,13 @@ PACK_ROWS = 4
 
 #: weight formats of :func:`prefer_decode_layout`: ``native`` keeps the loaded dtype (the
 #: default, exact); ``bf16`` runs every linear layer's product in bfloat16 (inputs rounded,
-#: fp32 accumulation, oneDNN). Norms, attention and the KV cache stay in the model's dtype.
-#: No int8 format: on this project's EPYC, PyTorch's int8 weight-only kernel
-#: (``aten._weight_int8pack_mm``) ran 4x slower than packed fp32 at one row, and dynamic int8
-#: (FBGEMM, int8 activations) 3x faster but with 37% top-1 agreement on SmolLM2
-#: (``docs/eval/weight-formats.md``).
-WEIGHT_FORMATS = ("native", "bf16")
+#: fp32 accumulation, oneDNN); ``int8`` stores every linear layer's weight as int8 per output
+#: channel (:class:`sfi.int8_linear.Int8Linear`: a quarter of fp32's bytes, products in the
+#: activations' dtype, a kernel that inductor compiles). Norms, embeddings, attention and the
+#: KV cache stay in the model's dtype. ``docs/eval/weight-formats.md`` measures each.
+WEIGHT_FORMATS = ("native", "bf16", "int8")
+#: the formats :class:`PackedLinear` runs (oneDNN)
+PACKED_FORMATS = ("native", "bf16")
 
 
 class PackedLinear(torch.nn.Module):
@@ -52,8 +54,8 @@ class PackedLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, weights: str = "native") -> None:
         super().__init__()
-        if weights not in WEIGHT_FORMATS:
-            raise ValueError(f"unknown weight format {weights!r}; one of {WEIGHT_FORMATS}")
+        if weights not in PACKED_FORMATS:
+            raise ValueError(f"unknown packed format {weights!r}; one of {PACKED_FORMATS}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.format = weights
@@ -82,16 +84,37 @@ class PackedLinear(torch.nn.Module):
         return self.packed_weight.numel() * self.packed_weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.format == "bf16":
-            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed_weight,
-                                                   self.bias, "none", [], "")
-            return y.to(x.dtype)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
-                                                  "")
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed_weight, self.bias, self.format == "bf16")
+        return _packed_product(x, self.packed_weight, self.bias, self.format == "bf16")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format={self.format}")
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                    bf16: bool) -> torch.Tensor:
+    if bf16:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, bias, "none", [],
+                                               "")
+        return y.to(x.dtype)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("sfi::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  bf16: bool) -> torch.Tensor:
+    """:class:`PackedLinear`'s product as an operator that ``torch.compile`` calls as it is:
+    inductor lowers oneDNN's linear only for weights it froze itself, and refuses a packed
+    weight that arrives as an input. ``x [..., in]`` -> ``[..., out]``."""
+    return _packed_product(x, packed, bias, bf16)
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         bf16: bool) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -100,13 +123,13 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 @cache
 def format_runs(weights: str, dtype: torch.dtype) -> bool:
-    """Whether :class:`PackedLinear` runs here in format ``weights`` for a model in ``dtype``
-    and agrees with ``F.linear``: x86, a PyTorch with oneDNN, and a small
-    product that matches."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """Whether the layer of format ``weights`` runs here for a model in ``dtype`` and agrees
+    with ``F.linear`` on a small product: :class:`PackedLinear` needs x86 and a PyTorch with
+    oneDNN, :class:`Int8Linear` a working inductor (a C++ compiler)."""
+    if weights in PACKED_FORMATS and (platform.machine().lower() not in ("x86_64", "amd64")
+                                      or not torch.backends.mkldnn.is_available()):
         return False
-    if not torch.backends.mkldnn.is_available():
-        return False
+    layer = Int8Linear if weights == "int8" else (lambda linear: PackedLinear(linear, weights))
     try:
         generator = torch.Generator().manual_seed(0)  # the caller's random stream untouched
         linear = torch.nn.Linear(32, 48, device="meta", dtype=dtype).to_empty(device="cpu")
@@ -114,9 +137,9 @@ def format_runs(weights: str, dtype: torch.dtype) -> bool:
         with torch.no_grad():
             linear.weight.copy_(torch.randn(48, 32, generator=generator))
             linear.bias.copy_(torch.randn(48, generator=generator))
-            got = PackedLinear(linear, weights)(x)
+            got = layer(linear)(x)
             expected = linear.float()(x.float())
-    except (RuntimeError, AttributeError, NotImplementedError):
+    except Exception:  # a probe: any failure (oneDNN, inductor, no compiler) means "not here"
         return False
     tolerance = 1e-4 if weights == "native" and dtype == torch.float32 else 5e-2
     return got.dtype == dtype and bool(torch.allclose(got.float(), expected,
@@ -129,8 +152,8 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
     ``weights="native"``: with oneDNN (see :func:`format_runs`), each linear layer is replaced
     by a :class:`PackedLinear`; otherwise the weights with ``out_features >= in_features`` are
     stored transposed (values and ``[out, in]`` shape unchanged, only the strides). ``bf16``
-    (:data:`WEIGHT_FORMATS`) changes the numbers, so it is asked for by name, and refused where
-    it cannot run. A weight shared with another module (tied embeddings) is
+    and ``int8`` (:data:`WEIGHT_FORMATS`) change the numbers, so they are asked for by name,
+    and refused where they cannot run. A weight shared with another module (tied embeddings) is
     stored as a copy, so the embedding keeps its table. GPU weights are left alone (GPU GEMV
     kernels are indifferent). Returns the number of layers changed.
     """
@@ -146,17 +169,35 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
             if module.weight.dim() != 2:
                 continue
             if format_runs(weights, module.weight.dtype):
-                setattr(parent, name, PackedLinear(module, weights))
+                replaced = (Int8Linear(module) if weights == "int8"
+                            else PackedLinear(module, weights))
+                setattr(parent, name, replaced)
                 packed += 1
             elif weights != "native":
-                raise SFIError(f"weights={weights!r} needs an x86 CPU and a PyTorch built with "
-                               f"oneDNN; it does not run here for {module.weight.dtype} "
-                               "weights (use weights='native')")
+                needs = ("torch.compile's inductor with a working C++ compiler"
+                         if weights == "int8"
+                         else "an x86 CPU and a PyTorch built with oneDNN")
+                raise SFIError(f"weights={weights!r} needs {needs}; it does not run here for "
+                               f"{module.weight.dtype} weights (use weights='native')")
             elif _transpose_wide(module, id(module.weight) in shared):
                 changed += 1
     if packed:
         _own_memory(model)
     return changed + packed
+
+
+def weight_byte_ratio(model: torch.nn.Module) -> float:
+    """Bytes a linear layer's weight element takes as stored (int8: 1, bf16: 2) over the bytes
+    of the model's dtype, the KV's: what scales the cost model's W
+    (:func:`sfi.cost_model.weight_positions`, counted at the KV's width) to the bytes a step
+    reads. 1.0 for native weights."""
+    dtype_bytes = next(model.parameters()).element_size()
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            return 1 / dtype_bytes
+        if isinstance(module, PackedLinear) and module.format == "bf16":
+            return 2 / dtype_bytes
+    return 1.0
 
 
 def _own_memory(model: torch.nn.Module) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sfi.cache_folder import cache_root
 from sfi.errors import ModelNotFoundError, SFIError
 from sfi.layout import prefer_decode_layout
 
@@ -39,13 +39,6 @@ class PackagedModel:
     gguf_name: str
     locate: Callable[[], Path]
     install_hint: str
-
-
-def cache_root() -> Path:
-    if os.environ.get("SFI_CACHE_DIR"):
-        return Path(os.environ["SFI_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sfi"
 
 
 def _package_dir(package: str, hint: str) -> Path:
@@ -222,7 +215,7 @@ def default_device() -> torch.device:
 
 def load(name_or_path: str = "default", *, device: str | torch.device | None = None,
          dtype: torch.dtype | None = None, decode_layout: bool = True,
-         weights: str = "native") -> tuple[Any, Any]:
+         weights: str = "native", compile: bool = False) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``, ready for :func:`sfi.generate` and ``SlowFastCache``.
 
     Args:
@@ -234,9 +227,11 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
             (``sfi.layout``: packed for oneDNN on x86, else wide weights transposed); results
             agree to float rounding. Packed layers cannot move to another device or train:
             pass ``decode_layout=False`` for a model you will move or fine-tune.
-        weights: ``native`` (the loaded dtype), or on an x86 CPU ``bf16`` for the linear
-            layers (faster, not exact: ``sfi bench --weights native,bf16`` measures both speed
-            and fidelity against ``native``).
+        weights: ``native`` (the loaded dtype); on a CPU, ``bf16`` (x86) or ``int8`` for the
+            linear layers (faster, not exact: ``sfi bench --weights native,bf16,int8``
+            measures speed and fidelity against ``native``; ``sfi.layout``).
+        compile: compile the model's one-token decode steps with ``torch.compile``
+            (:func:`sfi.compiled.compile_decode`; the first steps take seconds to compile).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -260,5 +255,9 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     if decode_layout:
         prefer_decode_layout(model, weights)
     check_routable(model)  # a clear error now, rather than when a cache is built
+    if compile:
+        from sfi.compiled import compile_decode
+
+        compile_decode(model)
     model.sfi_tokenizer = tokenizer
     return model, tokenizer

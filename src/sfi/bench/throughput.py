@@ -36,6 +36,7 @@ from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
 from sfi.exact import ExactDecoder
 from sfi.hf import context_length
+from sfi.int8_linear import Int8Linear
 from sfi.layout import PackedLinear
 from sfi.methods import build_cache
 from sfi.prefix import prefix_kv
@@ -93,7 +94,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        if isinstance(module, PackedLinear):  # opaque: no data pointer, one owner each
+        if isinstance(module, (PackedLinear, Int8Linear)):  # stored apart from parameters
             total += module.stored_bytes()
         for p in module.parameters(recurse=False):
             if p.data_ptr() not in seen:
@@ -370,6 +371,7 @@ def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
     also gets its teacher-forced fidelity to the native weights (``fidelity``: KL, top-1,
     perplexities over ``fidelity_tokens`` essay tokens, full attention).
     """
+    from sfi.compiled import compiled_forward
     from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
 
     formats = list(dict.fromkeys(formats))
@@ -389,6 +391,7 @@ def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
         if reference is not None and ids is not None and name != "native":
             fidelity.append(weight_fidelity(name, reference, model, ids).to_dict())
         one = run_bench(model, tokenizer, progress=progress, **bench)
+        compiled = compiled_forward(model)
         del model
         for row in one["rows"]:
             row["weights"] = name
@@ -396,6 +399,8 @@ def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
         if not result:
             result = one
         result.setdefault("weight_bytes_by_format", {})[name] = one["weight_bytes"]
+        result.setdefault("compile_s_by_format", {})[name] = (
+            None if compiled is None else round(compiled.compile_seconds, 2))
     native = {(r["context"], r["batch"], r["mode"]): r["decode_tok_s"] for r in rows
               if r["weights"] == "native"}
     for row in rows:

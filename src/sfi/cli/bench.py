@@ -10,6 +10,7 @@ import typer
 
 from sfi.cli.common import err, load_model, print_table
 from sfi.cli_options import (
+    CompileOpt,
     JsonOpt,
     ModelOpt,
     int_list,
@@ -49,8 +50,9 @@ def bench_cmd(
     memory_limit_gb: Annotated[float, typer.Option(help="skip cells whose KV would need more")]
         = 12.0,
     weights: Annotated[str, typer.Option(help="CPU weight formats, comma-separated: native, "
-                                         "bf16; each but native is also compared with native "
-                                         "(teacher-forced KL, top-1)")] = "native",
+                                         "bf16, int8; each but native is also compared with "
+                                         "native (teacher-forced KL, top-1)")] = "native",
+    compile: CompileOpt = False,
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option(
         help="write tokens/s against context (PNG); with sfi-exact in --modes (and sfi and "
@@ -71,7 +73,8 @@ def bench_cmd(
         raise SFIError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
     result = run_weight_formats(
-        lambda name: load_model(model, as_json, weights=name), format_list, progress=say,
+        lambda name: load_model(model, as_json, weights=name, compile=compile), format_list,
+        progress=say,
         contexts=context_list, batches=batch_list, new_tokens=max_new_tokens,
         config=config or SFIConfig(), modes=mode_list, synthetic_kv=synthetic_kv,
         memory_limit=int(memory_limit_gb * 1e9))

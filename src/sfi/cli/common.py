@@ -16,14 +16,23 @@ from sfi.errors import SFIError
 err = Console(stderr=True)
 
 
-def load_model(model: str, quiet: bool, weights: str = "native"):
+def load_model(model: str, quiet: bool, weights: str = "native", compile: bool = False):
     """``sfi.load(model)``, with a status line on the terminal unless ``quiet``."""
     from sfi.models import load
 
     if quiet:
-        return load(model, weights=weights)
+        return load(model, weights=weights, compile=compile)
     with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s)"):
-        return load(model, weights=weights)
+        return load(model, weights=weights, compile=compile)
+
+
+def compile_seconds(model: Any) -> float | None:
+    """Seconds the model's compiled decode steps spent building graphs, or None when its
+    steps run eagerly."""
+    from sfi.compiled import compiled_forward
+
+    compiled = compiled_forward(model)
+    return None if compiled is None else round(compiled.compile_seconds, 2)
 
 
 def one_format(weights: str) -> str:

@@ -11,8 +11,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sfi.cli.common import err, load_model, one_format, progress_bar
+from sfi.cli.common import compile_seconds, err, load_model, one_format, progress_bar
 from sfi.cli_options import (
+    CompileOpt,
     JsonOpt,
     ModelOpt,
     WeightsOpt,
@@ -23,18 +24,19 @@ from sfi.config import SFIConfig
 from sfi.errors import PromptError, SFIError
 
 
-def _summary(result) -> str:
+def _summary(result, compiled: float | None = None) -> str:
     s, t = result.stats, result.timing
+    built = f"; compiling took {compiled:.1f} s" if compiled else ""
     if result.mode == "exact":
         return (f"[dim]exact: {result.prompt_tokens} prompt tokens, {result.new_tokens} new "
                 f"(full attention's); prefill {t.prefill_s:.2f} s, decode {t.decode_tok_s:.1f} "
                 f"tok/s; {s.verify_steps} verifies of {s.drafted} drafts, "
                 f"{100 * s.acceptance_rate:.0f}% accepted, {s.tokens_per_verify:.2f} tokens per "
-                f"verify; {s.exact_dense_steps} dense steps[/dim]")
+                f"verify; {s.exact_dense_steps} dense steps{built}[/dim]")
     return (f"[dim]{result.mode}: {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
             f"prefill {t.prefill_s:.2f} s, decode {t.decode_tok_s:.1f} tok/s; steps slow "
             f"{s.slow_steps} / fast {s.fast_steps} / dense {s.dense_steps}; fast steps read "
-            f"{100 * s.fast_read_fraction:.1f}% of the context{_dense_why(result)}[/dim]")
+            f"{100 * s.fast_read_fraction:.1f}% of the context{_dense_why(result)}{built}[/dim]")
 
 
 def _dense_why(result) -> str:
@@ -127,6 +129,7 @@ def generate_cmd(
     prefill_chunk: Annotated[int, typer.Option(help="prefill the prompt in forwards of this "
                                                "many tokens (0: one forward)")] = 512,
     weights: WeightsOpt = "native",
+    compile: CompileOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a continuation of a prompt with slow-fast decoding.
@@ -151,17 +154,19 @@ def generate_cmd(
     if mode == "full" and config is not None:
         raise SFIError("the SFI options apply to --mode sfi and exact; full attention takes "
                        "none")
-    loaded_model, tokenizer = load_model(model, as_json, weights=one_format(weights))
+    loaded_model, tokenizer = load_model(model, as_json, weights=one_format(weights),
+                                         compile=compile)
     result = _generate(loaded_model, tokenizer, text, as_json, f"decoding ({mode})",
                        stream=stream, config=config, max_new_tokens=max_new_tokens, mode=mode,
                        chat=chat, temperature=temperature, top_p=top_p, seed=seed,
                        prefill_chunk=prefill_chunk or None)
     if as_json:
-        print(json.dumps({"model": model, **result.to_dict()}))
+        print(json.dumps({"model": model, "weights": one_format(weights),
+                          "compile_s": compile_seconds(loaded_model), **result.to_dict()}))
         return
     if not stream:
         Console().print(result.text, markup=False, highlight=False)
-    err.print(_summary(result))
+    err.print(_summary(result, compile_seconds(loaded_model)))
 
 
 @sfi_options
@@ -174,6 +179,8 @@ def demo_cmd(
     seed: Annotated[int, typer.Option(help="which fact is hidden, and where")] = 1,
     max_new_tokens: Annotated[int, typer.Option(help="length of the longer answer, in tokens")]
         = 128,
+    weights: WeightsOpt = "native",
+    compile: CompileOpt = False,
 ) -> None:
     """Side by side: one long document with a hidden fact, answered by full attention and SFI.
 
@@ -182,7 +189,8 @@ def demo_cmd(
     speed shows."""
     from sfi.demo import run_demo
 
-    loaded_model, tokenizer = load_model(model, False)
+    loaded_model, tokenizer = load_model(model, False, weights=one_format(weights),
+                                         compile=compile)
     progress = progress_bar()
     reading = progress.add_task("reading the document (tokens)", total=context)
     answering = progress.add_task("", total=None, visible=False)

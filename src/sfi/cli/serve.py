@@ -10,6 +10,7 @@ import typer
 
 from sfi.cli.common import err, load_model, one_format, print_table
 from sfi.cli_options import (
+    CompileOpt,
     JsonOpt,
     ModelOpt,
     WeightsOpt,
@@ -26,6 +27,7 @@ def serve_cmd(
     config: SFIConfig | None,
     model: ModelOpt = "default",
     weights: WeightsOpt = "native",
+    compile: CompileOpt = False,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
     max_batch: Annotated[int, typer.Option(help="sequences decoded together at most")] = 8,
@@ -76,7 +78,8 @@ def serve_cmd(
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can "
                   "reach this port can use the model")
     name = served_model_name or (Path(model).name if Path(model).exists() else model)
-    loaded_model, tokenizer = load_model(model, False, weights=one_format(weights))
+    loaded_model, tokenizer = load_model(model, False, weights=one_format(weights),
+                                         compile=compile)
     engine = Engine(loaded_model, tokenizer, config or SFIConfig(), **asdict(limits))
     app_ = create_app(engine, name, context_length(loaded_model), api_key=access.api_key,
                       allowed_hosts=list(access.allowed_hosts or ()),

@@ -6,6 +6,8 @@ stays in memory, since these runs measure quality, not speed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -51,6 +53,13 @@ class EvictionCache(Cache):
         self._kinds: tuple[str, ...] = ()
         super().__init__(layers=[EvictionLayer(i, self.num_layers, self.track_attention)
                                  for i in range(self.num_layers)])
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' ``update``, never traced by ``torch.compile`` (:mod:`sfi.compiled`):
+        the layer it writes and what it returns change from step to step."""
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # --- the routing hook's interface ----------------------------------------------------------
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,

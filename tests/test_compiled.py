@@ -1,0 +1,66 @@
+"""The compiled decode step (``sfi.compiled``): a compiled step computes what the eager one
+does, for SFI's slow, fast and dense steps and for the dense baselines; compiling is undone
+cleanly; only one-token steps are compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sfi import SFIConfig
+from sfi.compiled import compile_decode, compiled_forward, eager_decode
+from sfi.decode import prefill
+from sfi.methods import build_cache
+from sfi.steps import decode_one
+
+STEPS = 12
+
+
+def _decode(model, tokenizer, method: str, ids: torch.Tensor, config: SFIConfig | None):
+    """Greedy steps after a prefill: ``(logits [steps, B, V], step kinds)``."""
+    cache = build_cache(model, tokenizer, method, config=config,
+                        capacity=ids.shape[1] + STEPS + 1)
+    with torch.inference_mode():
+        token = prefill(model, cache, ids).argmax(-1)
+        position = torch.full((ids.shape[0],), ids.shape[1])
+        logits, kinds = [], []
+        for _ in range(STEPS):
+            step = decode_one(model, cache, token, position)
+            logits.append(step)
+            kinds.extend(cache.step_kinds())
+            token, position = step.argmax(-1), position + 1
+    return torch.stack(logits), kinds
+
+
+@pytest.mark.parametrize("method", ["sfi", "full-static", "full"])
+def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method):
+    model, tokenizer = tiny_llama_with_tokenizer
+    torch.manual_seed(1)
+    ids = torch.randint(5, 5000, (2, 96))
+    config = (SFIConfig(sink=2, recent=8, k_head=8, force_sparse=True, trigger="fixed",
+                        period=4, coverage_layers=0) if method == "sfi" else None)
+    expected, eager_kinds = _decode(model, tokenizer, method, ids, config)
+    compiled = compile_decode(model)
+    try:
+        got, kinds = _decode(model, tokenizer, method, ids, config)
+    finally:
+        eager_decode(model)
+    assert kinds == eager_kinds
+    if method == "sfi":
+        assert {"slow", "fast"} <= set(kinds)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert compiled.compiled_steps == STEPS
+    assert compiled.eager_calls == 1  # the prefill
+    assert compiled.compile_seconds > 0
+
+
+def test_compiling_is_idempotent_and_undone(tiny_llama_with_tokenizer):
+    model, _ = tiny_llama_with_tokenizer
+    implementation = model.config._attn_implementation
+    compiled = compile_decode(model)
+    assert compile_decode(model) is compiled and compiled_forward(model) is compiled
+    assert model.config._attn_implementation == "sfi"  # routed while compiled
+    eager_decode(model)
+    assert compiled_forward(model) is None and "forward" not in model.__dict__
+    assert model.config._attn_implementation == implementation
+    eager_decode(model)  # nothing left to undo

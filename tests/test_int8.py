@@ -1,0 +1,98 @@
+"""int8 weights (``sfi.int8_linear``): the quantization, the compiled product at a few rows and
+the blocked product at many, AVX2's code path, and the model-wide layout."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+from sfi import int8_linear, layout
+from sfi.int8_linear import Int8Linear, int8_product, quantize_rows
+from sfi.layout import prefer_decode_layout, weight_byte_ratio
+
+needs_int8 = pytest.mark.skipif(not layout.format_runs("int8", torch.float32),
+                                reason="int8 needs inductor with a C++ compiler")
+
+
+def _linear(out: int, inn: int, bias: bool = True, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(inn, out, bias=bias).eval()
+
+
+def test_quantize_rows_is_within_half_a_step_per_channel():
+    weight = torch.randn(40, 24) * torch.logspace(-3, 1, 40)[:, None]  # scales far apart
+    w8, scale = quantize_rows(weight)
+    assert w8.dtype == torch.int8 and scale.shape == (40,)
+    assert int(w8.abs().max()) == 127
+    error = (weight - w8.float() * scale[:, None]).abs()
+    assert bool((error <= scale[:, None] / 2 + 1e-7).all())
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 3, int8_linear.REDUCE_ROWS + 5])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_equals_the_dequantised_product(rows, bias, monkeypatch):
+    monkeypatch.setattr(int8_linear, "DEQUANT_BLOCK", 16)  # several blocks at many rows
+    linear = _linear(40, 24, bias)
+    layer = Int8Linear(linear)
+    x = torch.randn(rows, 24)
+    with torch.inference_mode():
+        got = layer(x)
+        expected = F.linear(x, layer.weight, linear.bias)
+    assert got.shape == (rows, 40)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # and close to the fp32 layer it replaced, within the quantization's error
+    torch.testing.assert_close(got, linear(x).detach(), rtol=0.05, atol=0.05)
+
+
+@needs_int8
+def test_the_avx2_code_path_computes_the_same_product():
+    """inductor writes AVX-512 code on CPUs that have it; ``cpp.simdlen=256`` makes it write the
+    AVX2 loop that AVX2-only CPUs run, checked here on any x86 machine with AVX2."""
+    import torch._inductor.config as inductor_config
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2 here")
+    w8, scale = quantize_rows(torch.randn(72, 40))
+    x = torch.randn(2, 40)
+    expected = x @ (w8.float() * scale[:, None]).T
+    for simdlen in (256, 512):
+        code = int8_product.__code__.replace(co_name=f"int8_product_simd{simdlen}")
+        product = torch.compile(types.FunctionType(code, int8_product.__globals__))
+        with inductor_config.patch({"cpp.simdlen": simdlen}), torch.inference_mode():
+            torch.testing.assert_close(product(x, w8, scale), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_int8
+def test_int8_layout_of_a_model_with_tied_embeddings():
+    model = tiny_model("qwen2")
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    table = model.model.embed_tokens.weight.detach().clone()
+    keys = set(model.state_dict())
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.inference_mode():
+        reference = model(ids).logits
+    assert prefer_decode_layout(model, "int8") == 2 * 7 + 1
+    assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert torch.equal(model.model.embed_tokens.weight, table)  # the embedding keeps fp32
+    assert set(model.state_dict()) == keys
+    assert weight_byte_ratio(model) == 0.25
+    with torch.inference_mode():
+        logits = model(ids).logits  # 12 rows: the compiled reduction
+        last = model(ids[:, :1]).logits
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+    torch.testing.assert_close(logits, reference, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(last[:, -1], logits[:, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_int8_is_refused_where_inductor_cannot_build(monkeypatch):
+    from sfi.errors import SFIError
+
+    monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
+    with pytest.raises(SFIError, match="int8.*C\\+\\+ compiler"):
+        prefer_decode_layout(tiny_model("llama"), "int8")
