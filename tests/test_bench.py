@@ -276,7 +276,7 @@ def test_the_engine_plot_has_a_line_per_engine_and_mode_in_each_batch(tmp_path, 
 
 
 def test_a_llama_cpp_row_names_the_weights_its_gguf_stores():
-    from sfi.bench.vllm import gguf_weights
+    from sfi.bench.llama_cpp import gguf_weights
     from sfi.models import packaged_gguf
 
     gguf = packaged_gguf("default")

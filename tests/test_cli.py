@@ -140,6 +140,15 @@ def test_bench_vllm_without_vllm_says_how_to_get_it():
     assert result.returncode == 2 and "is not a GGUF file" in result.stderr
 
 
+def test_bench_checks_its_gguf_files_before_it_loads_a_model():
+    result = run_cli_here("bench", "--gguf", "no/such.gguf")
+    assert result.returncode == 2 and "--gguf: no file 'no/such.gguf'" in result.stderr
+    result = run_cli_here("bench", "--gguf", __file__)
+    assert result.returncode == 2 and "is not a GGUF file" in result.stderr
+    result = run_cli_here("bench", "--model", "./no/such/dir", "--gguf", "packaged")
+    assert result.returncode == 2 and "--gguf packaged" in result.stderr
+
+
 @pytest.mark.model
 def test_generate_streams_the_text_it_prints(default_model):
     common = ["generate", "--prompt", "The sea is calm. The sky is blue. Birds",

@@ -94,5 +94,5 @@ def test_int8_is_refused_where_inductor_cannot_build(monkeypatch):
     from sfi.errors import SFIError
 
     monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
-    with pytest.raises(SFIError, match="int8.*C\\+\\+ compiler"):
+    with pytest.raises(SFIError, match=r"int8.*C\+\+ compiler"):
         prefer_decode_layout(tiny_model("llama"), "int8")

@@ -33,7 +33,10 @@ from sfi.hf import RoutingLease
 #: transformers decorates many forwards with one wrapper (one code object, one count) and a
 #: ``StaticCache`` layer's ``update`` is traced once per layer
 DYNAMO_SETTINGS = {"allow_unspec_int_on_nn_module": True, "recompile_limit": 256,
-                   "accumulated_recompile_limit": 4096}
+                   "cache_size_limit": 256, "accumulated_recompile_limit": 4096,
+                   "accumulated_cache_size_limit": 4096}
+#: (``cache_size_limit`` is ``recompile_limit``'s name before PyTorch 2.7; a setting the
+#: installed PyTorch lacks is left out)
 
 
 class CompiledDecode:
@@ -49,6 +52,8 @@ class CompiledDecode:
         self.routing = RoutingLease(self, model)
         self.eager = model.forward
         self.compiled = torch.compile(self.eager, dynamic=None)
+        self.settings = {name: value for name, value in DYNAMO_SETTINGS.items()
+                         if hasattr(torch._dynamo.config, name)}
         self.compile_seconds = 0.0
         self.compiled_steps = 0
         self.eager_calls = 0
@@ -60,7 +65,7 @@ class CompiledDecode:
             return self.eager(*args, **kwargs)
         frames = _compiled_frames()
         begin = time.perf_counter()
-        with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+        with torch._dynamo.config.patch(**self.settings):
             out = self.compiled(*args, **kwargs)
         if _compiled_frames() != frames:
             self.compile_seconds += time.perf_counter() - begin

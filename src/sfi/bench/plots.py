@@ -19,7 +19,8 @@ def _pyplot() -> Any:
 
 
 def plot_throughput(result: dict[str, Any], path: str) -> None:
-    """Tokens/s against context length per mode, one panel per batch size (log-scale x)."""
+    """Tokens/s against context length per mode (and weight format), llama.cpp's rows beside
+    them, one panel per batch size (log-scale x)."""
     plt = _pyplot()
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})
@@ -34,6 +35,11 @@ def plot_throughput(result: dict[str, Any], path: str) -> None:
                 if points:
                     label = mode if len(formats) == 1 else f"{mode}, {name} weights"
                     ax.plot(*zip(*points), marker="o", label=label)
+        for peer in dict.fromkeys(r["mode"] for r in rows if r["mode"] not in MODES):
+            points = sorted((r["context"], r["decode_tok_s"]) for r in rows
+                            if r["mode"] == peer and r["batch"] == batch)
+            if points:  # llama.cpp's rows (``--gguf``), dashed
+                ax.plot(*zip(*points), marker="s", linestyle="--", label=peer)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens/s")

@@ -25,10 +25,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from sfi.bench.llama_cpp import decode_times, gguf_weights
 from sfi.caches import KV, DecodeCache
 from sfi.config import SFIConfig
 from sfi.cost_model import kv_elements_per_position
@@ -206,6 +208,23 @@ def exact_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, st
     return seconds * new_tokens / produced, torch.tensor([r[:want] for r in rows], device=device)
 
 
+def llama_cpp_row(model: torch.nn.Module, gguf: Path, prompt: list[int], *, new_tokens: int,
+                  warmup: int, bandwidth: float) -> BenchRow:
+    """llama.cpp on ``gguf`` after ``prompt`` (real prefill), as a bench row named
+    ``llama.cpp <weight type>``; its floor is the GGUF's bytes and its F16 KV over
+    ``bandwidth``."""
+    times = decode_times(gguf, prompt, new_tokens, warmup, torch.get_num_threads())
+    median = round(1000 * statistics.median(times), 3)
+    kv = kv_bytes_per_entry(model, element=2) * len(prompt)
+    return BenchRow(
+        mode=f"llama.cpp {gguf_weights(gguf)}", context=len(prompt), batch=1, kv="prefill",
+        new_tokens=len(times), decode_tok_s=round(len(times) / sum(times), 3), step_ms=median,
+        fast_step_ms=None, slow_step_ms=None, dense_step_ms=median, slow_fraction=0.0,
+        fast_read_fraction=None, fast_fraction=None, coverage_rate=None,
+        floor_ms=round(1000 * (gguf.stat().st_size + kv) / (bandwidth * 1e9), 3),
+        weights=gguf_weights(gguf))
+
+
 def _median_ms(steps: list[tuple[float, str]], kind: str) -> float | None:
     times = [t for t, k in steps if k == kind]
     return round(1000 * statistics.median(times), 3) if times else None
@@ -308,8 +327,11 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
               batches: Sequence[int], new_tokens: int, config: SFIConfig,
               modes: Sequence[str] = MODES, synthetic_kv: bool = False,
               memory_limit: int | None = None, warmup: int = 2,
+              ggufs: Sequence[Path] = (),
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure every (mode, context, batch); returns ``{"rows": [...], "skipped": [...], ...}``."""
+    """Measure every (mode, context, batch); returns ``{"rows": [...], "skipped": [...], ...}``.
+    At batch 1 each GGUF in ``ggufs`` (the same model) also decodes the cell's token ids in
+    llama.cpp (:func:`llama_cpp_row`)."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SFIError(f"unknown bench mode(s) {', '.join(unknown)}; choose from "
@@ -347,6 +369,11 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
                 cell.append(measure_cell(model, tokenizer, mode, config, ids, prefix, kv=kv,
                                          new_tokens=new_tokens, warmup=warmup,
                                          bandwidth=bandwidth, tokens=made))
+            for gguf in ggufs if batch == 1 else ():
+                if progress:
+                    progress(f"context {context}, batch 1: llama.cpp, {gguf.name}")
+                cell.append(llama_cpp_row(model, gguf, ids[0].tolist(), new_tokens=new_tokens,
+                                          warmup=warmup, bandwidth=bandwidth))
             add_speedups(cell)
             rows.extend(cell)
             del prefix
@@ -384,17 +411,19 @@ def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
     result: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     fidelity: list[dict[str, Any]] = []
-    for name in formats:
+    for i, name in enumerate(formats):
         if progress:
             progress(f"weights {name}")
         model, tokenizer = load_model(name)
         if reference is not None and ids is not None and name != "native":
             fidelity.append(weight_fidelity(name, reference, model, ids).to_dict())
-        one = run_bench(model, tokenizer, progress=progress, **bench)
+        one = run_bench(model, tokenizer, progress=progress,
+                        **{**bench, "ggufs": bench.get("ggufs", ()) if i == 0 else ()})
         compiled = compiled_forward(model)
         del model
         for row in one["rows"]:
-            row["weights"] = name
+            if not row["mode"].startswith("llama.cpp"):  # those name their GGUF's weights
+                row["weights"] = name
         rows.extend(one["rows"])
         if not result:
             result = one

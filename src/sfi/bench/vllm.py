@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from sfi.bench.llama_cpp import decode_times, gguf_weights
 from sfi.bench.throughput import (
     benchmark_ids,
     kv_bytes_per_entry,
@@ -119,39 +120,11 @@ def time_decode(llm: Any, prompts: Sequence[list[int]], new_tokens: int, warmup:
     return times[warmup:]
 
 
-def gguf_weights(gguf: str | Path) -> str:
-    """The weight type most of a GGUF's matrices are stored in (``Q4_1``, ``Q5_0``, ``F16``,
-    ``F32``, ...): what a llama.cpp row reads, named in its ``mode``."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-
-    types = Counter(t.tensor_type.name for t in GGUFReader(str(gguf)).tensors
-                    if len(t.shape) > 1 and min(int(n) for n in t.shape) > 1)
-    return types.most_common(1)[0][0] if types else "F32"
-
-
 def llama_cpp_row(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: int,
                   threads: int) -> EngineRow:
-    """llama.cpp decoding greedily after ``prompt``: each ``eval`` of one token timed; the
-    row's ``mode`` is the GGUF's weight type (:func:`gguf_weights`)."""
-    import llama_cpp
-    import numpy as np
-
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + warmup + new_tokens + 8,
-                          n_threads=threads, n_threads_batch=threads, n_batch=512,
-                          verbose=False)
-    vocab = llm.n_vocab()
-    llm.eval(prompt)
-    times = []
-    for _ in range(warmup + new_tokens):
-        last = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        token = int(np.argmax(np.ctypeslib.as_array(last, shape=(vocab,))))
-        begin = time.perf_counter()
-        llm.eval([token])
-        times.append(time.perf_counter() - begin)
-    llm.close()
-    times = times[warmup:]
+    """llama.cpp decoding greedily after ``prompt`` (:func:`sfi.bench.llama_cpp.decode_times`);
+    the row's ``mode`` is the GGUF's weight type (:func:`~sfi.bench.llama_cpp.gguf_weights`)."""
+    times = decode_times(gguf, prompt, new_tokens, warmup, threads)
     return EngineRow(engine="llama.cpp", mode=gguf_weights(gguf), context=len(prompt), batch=1,
                      decode_tok_s=round(len(times) / sum(times), 3),
                      step_ms=round(1000 * statistics.median(times), 3), steps=len(times),

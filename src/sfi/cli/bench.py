@@ -53,6 +53,9 @@ def bench_cmd(
                                          "bf16, int8; each but native is also compared with "
                                          "native (teacher-forced KL, top-1)")] = "native",
     compile: CompileOpt = False,
+    gguf: Annotated[str | None, typer.Option(
+        help="GGUF files of the same model for llama.cpp to decode at batch 1, comma-separated "
+             "(packaged: the model's own)")] = None,
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option(
         help="write tokens/s against context (PNG); with sfi-exact in --modes (and sfi and "
@@ -69,6 +72,9 @@ def bench_cmd(
     from sfi.layout import WEIGHT_FORMATS
 
     format_list = name_list("--weights", weights, WEIGHT_FORMATS)
+    from sfi.bench.llama_cpp import gguf_files
+
+    ggufs = gguf_files(model, name_list("--gguf", gguf, None) if gguf else [])
     if max_new_tokens < 1:
         raise SFIError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
@@ -77,7 +83,7 @@ def bench_cmd(
         progress=say,
         contexts=context_list, batches=batch_list, new_tokens=max_new_tokens,
         config=config or SFIConfig(), modes=mode_list, synthetic_kv=synthetic_kv,
-        memory_limit=int(memory_limit_gb * 1e9))
+        memory_limit=int(memory_limit_gb * 1e9), ggufs=ggufs)
     result["model"] = model
     if plot is not None:
         plot_throughput(result, str(plot))
@@ -163,15 +169,12 @@ def bench_vllm_cmd(
     config = parse_config(sfi or "") if config is None else config
     if own_kv not in OWN_KV:
         raise SFIError(f"--own-kv must be one of {', '.join(OWN_KV)}, got {own_kv!r}")
-    extra = [Path(p) for p in name_list("--gguf", gguf, None)] if gguf else []
-    for path in extra:  # checked before vLLM's import, which takes seconds
-        if not path.is_file():
-            raise SFIError(f"--gguf: no file {str(path)!r}")
-        with path.open("rb") as f:
-            if f.read(4) != b"GGUF":
-                raise SFIError(f"--gguf: {str(path)!r} is not a GGUF file")
+    from sfi.bench import llama_cpp as lcpp
+
+    extra = name_list("--gguf", gguf, None) if gguf else []
     if extra and llama_cpp is False:
         raise SFIError("--gguf runs llama.cpp, which --no-llama-cpp turns off: pass one of them")
+    lcpp.gguf_files(model, extra)  # checked before vLLM's import, which takes seconds
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the results
     try:
         import vllm  # noqa: F401
@@ -187,28 +190,11 @@ def bench_vllm_cmd(
     batch_list = int_list("--batch", batch)
     if new_tokens < 1:
         raise SFIError(f"--max-new-tokens must be >= 1, got {new_tokens}")
-    import importlib.util
-
-    ggufs: list[Path] = []
-    installed = importlib.util.find_spec("llama_cpp") is not None
-    if (llama_cpp or extra) and not installed:
-        raise SFIError("--llama-cpp and --gguf need llama-cpp-python "
-                       "(pip install llama-cpp-python)")
-    if llama_cpp or (llama_cpp is None and installed and packaged_gguf(model) is not None):
-        own = packaged_gguf(model) or (Path(model) if model.endswith(".gguf") else None)
-        if own is None:
-            raise SFIError(f"--llama-cpp needs a GGUF: {model!r} is neither a packaged model "
-                           "nor a .gguf file; pass --no-llama-cpp")
-        ggufs.append(own)
-    ggufs += extra
-    from sfi.bench.vllm import gguf_weights
-
-    named: dict[str, Path] = {}
-    for path in ggufs:  # each llama.cpp row is named by its GGUF's weight type
-        weights = gguf_weights(path)
-        if (other := named.setdefault(weights, path)) != path:
-            raise SFIError(f"llama.cpp would run {str(other)!r} and {str(path)!r}, which both "
-                           f"store {weights} weights: their rows would share a name")
+    if llama_cpp and not lcpp.installed():
+        raise SFIError("--llama-cpp needs llama-cpp-python (pip install llama-cpp-python)")
+    own_gguf = llama_cpp or (llama_cpp is None and lcpp.installed()
+                             and packaged_gguf(model) is not None)
+    ggufs = lcpp.gguf_files(model, ([lcpp.PACKAGED] if own_gguf else []) + extra)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SFIError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if own_engine:
