@@ -63,14 +63,31 @@ class AttendingLayer:
         raise NotImplementedError
 
 
-@torch.compiler.disable
 def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
                   scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
                   ) -> tuple[torch.Tensor, Any]:
     """``query [B, Hq, Q, D]`` (RoPE applied), ``key``/``value`` ``[B, H, T, D]`` after the cache
-    update -> ``([B, Q, Hq, D], None)``. Never traced by ``torch.compile``: the plan it
-    carries out changes from step to step (:mod:`sfi.compiled`)."""
+    update -> ``([B, Q, Hq, D], None)``.
+
+    Inside a compiled one-token step (:mod:`sfi.compiled`) the call is one opaque operator,
+    :func:`attention_step`, so that the step stays one graph; ``key``/``value`` are then the
+    new position's when the cache left its write to the layer (``SlowFastCache.update``)."""
+    if torch.compiler.is_compiling() and query.shape[2] == 1 and kwargs.get("softcap") is None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        layer_idx = getattr(module, "layer_idx", -1)
+        return attention_step(query, key, value, attention_mask, layer_idx, scale), None
+    return _attention(module, query, key, value, attention_mask, scaling=scaling,
+                      dropout=dropout, **kwargs)
+
+
+@torch.compiler.disable
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
+               ) -> tuple[torch.Tensor, Any]:
+    """:func:`sfi_attention` run eagerly (never traced: the plan it carries out changes from
+    step to step)."""
     step = current_step()
     layer = step.layer(getattr(module, "layer_idx", -1)) if step is not None else None
     attend = getattr(layer, "attend", None)
@@ -79,6 +96,43 @@ def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
                               scaling=scaling, **kwargs)
     return attend(step, module, query, key, value, attention_mask, scaling=scaling,
                   dropout=dropout, **kwargs)
+
+
+@torch.library.custom_op("sfi::attention_step", mutates_args=())
+def attention_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, layer_idx: int, scale: float
+                   ) -> torch.Tensor:
+    """One token's attention in a compiled step, as an operator the compiler calls as it is:
+    ``query [B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``.
+
+    A layer of the step in progress that attends (the slow-fast and eviction caches) first
+    writes ``key``/``value`` ``[B, H, 1, D]`` (its cache's ``update`` left that to it), then
+    carries out the step's plan for the layer; any other cache has written them already and
+    ``key``/``value`` ``[B, H, T, D]`` are attended densely with PyTorch's SDPA kernel, the
+    query heads grouped by KV head (traced instead, transformers' SDPA call becomes a
+    decomposition with the keys repeated per query head: 2.3x slower at 4K on Qwen2.5-0.5B).
+    Not pure: it reads and writes the cache; every call's output is used, so none is dropped
+    or merged."""
+    step = current_step()
+    layer = step.layer(layer_idx) if step is not None else None
+    if getattr(layer, "attend", None) is not None:
+        key, value = layer.update(key, value)
+        out, _ = layer.attend(step, None, query, key, value, attention_mask, scaling=scale)
+        return out
+    b, hq, _, d = query.shape  # one query per row: grouped by KV head, no key copied
+    grouped = query.reshape(b, key.shape[1], hq // key.shape[1], d)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value,
+                                                           attn_mask=attention_mask,
+                                                           scale=scale)
+    return out.reshape(b, 1, hq, -1)
+
+
+@attention_step.register_fake
+def _attention_step_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, layer_idx: int, scale: float
+                          ) -> torch.Tensor:
+    b, hq, q, _ = query.shape
+    return query.new_empty(b, q, hq, value.shape[-1])
 
 
 def register_attention() -> None:

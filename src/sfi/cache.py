@@ -96,11 +96,13 @@ class SlowFastCache(Cache):
         self.planner = Planner(self._layer_ids)
 
     # --- the routing hook's interface ----------------------------------------------------------
-    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' ``update``, never traced by ``torch.compile`` (:mod:`sfi.compiled`):
-        the layer it writes and what it returns change from step to step."""
+        """transformers' ``update``; inside a compiled step it writes nothing and returns the
+        new position's ``[B, H, 1, D]``, which the step's attention operator writes
+        (:func:`sfi.attention.attention_step`), so that the step stays one graph."""
+        if torch.compiler.is_compiling():
+            return key_states, value_states
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,

@@ -45,21 +45,26 @@ class DecodeCache(Protocol):
 
 
 class _CountedDenseCache:
-    """Mixin for transformers' caches: every decode step is dense and is counted. ``update``
-    runs eagerly in a compiled step, as the slow-fast cache's does (:mod:`sfi.compiled`), so
-    both are compiled alike and the count is not a constant of the graph."""
+    """Mixin for transformers' caches: every one-token forward is a dense decode step, and is
+    counted in a tensor, so that a compiled step traces the count with the rest of the step
+    (:mod:`sfi.compiled`; an int attribute would be a constant of the graph)."""
 
-    _decode_steps = 0
-    _batch = 0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._batch = 0
+        self._steps = torch.zeros((), dtype=torch.long)
 
-    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == 0:
             self._batch = key_states.shape[0]
-            if key_states.shape[-2] == 1 and self.get_seq_length() > 0:
-                self._decode_steps += 1
+            if key_states.shape[-2] == 1:
+                self._steps.add_(1)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def _decode_steps(self) -> int:
+        return int(self._steps)
 
     def load_prefix(self, prefix: KV, history: list[torch.Tensor] | None = None) -> None:
         for idx, (k, v) in enumerate(prefix):

@@ -25,9 +25,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 WeightsOpt = Annotated[str, typer.Option(
     "--weights", help="linear-layer weights on a CPU: native (exact) | bf16 (x86) | int8 "
     "(faster, not exact: docs/eval/weight-formats.md)")]
-CompileOpt = Annotated[bool, typer.Option(
+CompileOpt = Annotated[bool | None, typer.Option(
     "--compile/--no-compile", help="compile the one-token decode steps with torch.compile "
-    "(seconds on first use, cached on disk; docs/benchmarks.md says when it pays)")]
+    "(10-90 s on first use, cached on disk) [default: with --weights int8]")]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="NAME=VALUE", help="any other SFIConfig field (repeatable)")]
 

@@ -215,7 +215,7 @@ def default_device() -> torch.device:
 
 def load(name_or_path: str = "default", *, device: str | torch.device | None = None,
          dtype: torch.dtype | None = None, decode_layout: bool = True,
-         weights: str = "native", compile: bool = False) -> tuple[Any, Any]:
+         weights: str = "native", compile: bool | None = None) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``, ready for :func:`sfi.generate` and ``SlowFastCache``.
 
     Args:
@@ -231,7 +231,10 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
             linear layers (faster, not exact: ``sfi bench --weights native,bf16,int8``
             measures speed and fidelity against ``native``; ``sfi.layout``).
         compile: compile the model's one-token decode steps with ``torch.compile``
-            (:func:`sfi.compiled.compile_decode`; the first steps take seconds to compile).
+            (:func:`sfi.compiled.compile_decode`: the first steps of a process take 10-90 s
+            to compile, kernels are cached on disk). Default: with ``int8`` weights, where it
+            makes a step 1.3-1.5x faster; not with native ones, where it gains 2-5%
+            (``docs/benchmarks.md``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -255,7 +258,7 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     if decode_layout:
         prefer_decode_layout(model, weights)
     check_routable(model)  # a clear error now, rather than when a cache is built
-    if compile:
+    if compile if compile is not None else weights == "int8":
         from sfi.compiled import compile_decode
 
         compile_decode(model)

@@ -52,7 +52,7 @@ def bench_cmd(
     weights: Annotated[str, typer.Option(help="CPU weight formats, comma-separated: native, "
                                          "bf16, int8; each but native is also compared with "
                                          "native (teacher-forced KL, top-1)")] = "native",
-    compile: CompileOpt = False,
+    compile: CompileOpt = None,
     gguf: Annotated[str | None, typer.Option(
         help="GGUF files of the same model for llama.cpp to decode at batch 1, comma-separated "
              "(packaged: the model's own)")] = None,

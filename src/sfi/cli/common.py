@@ -16,7 +16,8 @@ from sfi.errors import SFIError
 err = Console(stderr=True)
 
 
-def load_model(model: str, quiet: bool, weights: str = "native", compile: bool = False):
+def load_model(model: str, quiet: bool, weights: str = "native",
+               compile: bool | None = None):
     """``sfi.load(model)``, with a status line on the terminal unless ``quiet``."""
     from sfi.models import load
 

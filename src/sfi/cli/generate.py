@@ -129,7 +129,7 @@ def generate_cmd(
     prefill_chunk: Annotated[int, typer.Option(help="prefill the prompt in forwards of this "
                                                "many tokens (0: one forward)")] = 512,
     weights: WeightsOpt = "native",
-    compile: CompileOpt = False,
+    compile: CompileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a continuation of a prompt with slow-fast decoding.
@@ -180,7 +180,7 @@ def demo_cmd(
     max_new_tokens: Annotated[int, typer.Option(help="length of the longer answer, in tokens")]
         = 128,
     weights: WeightsOpt = "native",
-    compile: CompileOpt = False,
+    compile: CompileOpt = None,
 ) -> None:
     """Side by side: one long document with a hidden fact, answered by full attention and SFI.
 

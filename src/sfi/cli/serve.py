@@ -27,7 +27,7 @@ def serve_cmd(
     config: SFIConfig | None,
     model: ModelOpt = "default",
     weights: WeightsOpt = "native",
-    compile: CompileOpt = False,
+    compile: CompileOpt = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
     max_batch: Annotated[int, typer.Option(help="sequences decoded together at most")] = 8,
