@@ -116,6 +116,9 @@ def attention_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     step = current_step()
     layer = step.layer(layer_idx) if step is not None else None
     if getattr(layer, "attend", None) is not None:
+        # the compiled graph reuses its buffers once the operator returns, and a coverage
+        # probe keeps its layer's query until the step ends: the layer gets a copy of its own
+        query = query.clone()
         key, value = layer.update(key, value)
         out, _ = layer.attend(step, None, query, key, value, attention_mask, scaling=scale)
         return out
