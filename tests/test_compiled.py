@@ -64,3 +64,36 @@ def test_compiling_is_idempotent_and_undone(tiny_llama_with_tokenizer):
     assert compiled_forward(model) is None and "forward" not in model.__dict__
     assert model.config._attn_implementation == implementation
     eager_decode(model)  # nothing left to undo
+
+
+@pytest.mark.model
+def test_compiled_steps_of_a_real_model_probe_coverage_as_eager_ones(default_model):
+    """A real model's coverage probes rarely flag a row; a compiled step whose probes read a
+    query buffer the graph had reused since flagged every other step."""
+    from sfi.texts import essay
+
+    model, tokenizer = default_model
+    ids = torch.tensor([tokenizer(essay(2048, tokenizer))["input_ids"][:2048]])
+    config = SFIConfig(force_sparse=True)
+
+    def decode() -> tuple[torch.Tensor, list[str], dict]:
+        cache = build_cache(model, tokenizer, "sfi", config=config, capacity=2048 + STEPS + 1)
+        with torch.inference_mode():
+            token = prefill(model, cache, ids, chunk=1024).argmax(-1)
+            position = torch.full((1,), ids.shape[1])
+            logits, kinds = [], []
+            for _ in range(STEPS):
+                logits.append(decode_one(model, cache, token, position))
+                kinds.extend(cache.step_kinds())
+                token, position = logits[-1].argmax(-1), position + 1
+        return torch.stack(logits), kinds, cache.stats().to_dict()["refresh_reasons"]
+
+    expected = decode()
+    compile_decode(model)
+    try:
+        got = decode()
+    finally:
+        eager_decode(model)
+    assert got[1] == expected[1] and got[2] == expected[2]
+    assert expected[2]["coverage"] < STEPS // 2
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-3, atol=1e-3)
