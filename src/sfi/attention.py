@@ -63,6 +63,19 @@ class AttendingLayer:
         raise NotImplementedError
 
 
+class WritesInAttention:
+    """Mixin for the caches whose layers attend (:class:`AttendingLayer`): inside a compiled
+    step ``update`` writes nothing and returns the new position's ``[B, H, 1, D]``, which the
+    step's attention operator writes (:func:`attention_step`), so that the step stays one
+    graph; elsewhere transformers' ``update``."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return key_states, value_states
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
                   scaling: float | None = None, dropout: float = 0.0, **kwargs: Any

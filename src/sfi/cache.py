@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from sfi.attention import WritesInAttention
 from sfi.config import SFIConfig
 from sfi.context import StepContext
 from sfi.cost_model import weight_positions
@@ -36,7 +37,7 @@ from sfi.triggers import make_trigger, token_classes
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class SlowFastCache(Cache):
+class SlowFastCache(WritesInAttention, Cache):
     """A transformers ``Cache`` that decodes with Slow-Fast Inference.
 
     Use it as ``model.generate(**inputs, cache=SlowFastCache(model, config))``
@@ -96,15 +97,6 @@ class SlowFastCache(Cache):
         self.planner = Planner(self._layer_ids)
 
     # --- the routing hook's interface ----------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' ``update``; inside a compiled step it writes nothing and returns the
-        new position's ``[B, H, 1, D]``, which the step's attention operator writes
-        (:func:`sfi.attention.attention_step`), so that the step stays one graph."""
-        if torch.compiler.is_compiling():
-            return key_states, value_states
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                       batch_size: int, query_length: int, device: torch.device) -> StepContext:
         """Plan the coming forward: per sequence dense, slow or fast (see ``sfi.planner``)."""

@@ -80,8 +80,8 @@ def _compiled_frames() -> int:
 def compile_decode(model: torch.nn.Module) -> CompiledDecode:
     """Give ``model`` a forward whose one-token steps are compiled (idempotent); returns it.
     :func:`eager_decode` takes it back."""
-    current = model.__dict__.get("forward")
-    if isinstance(current, CompiledDecode):
+    current = compiled_forward(model)
+    if current is not None:
         return current
     compiled = CompiledDecode(model)
     model.forward = compiled
@@ -90,8 +90,8 @@ def compile_decode(model: torch.nn.Module) -> CompiledDecode:
 
 def eager_decode(model: torch.nn.Module) -> None:
     """Undo :func:`compile_decode` (nothing when the model has no compiled forward)."""
-    current = model.__dict__.get("forward")
-    if isinstance(current, CompiledDecode):
+    current = compiled_forward(model)
+    if current is not None:
         del model.forward
         current.routing.release()
 

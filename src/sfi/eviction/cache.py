@@ -6,11 +6,10 @@ stays in memory, since these runs measure quality, not speed.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers.cache_utils import Cache
 
+from sfi.attention import WritesInAttention
 from sfi.context import StepContext
 from sfi.errors import SFIError, UnsupportedModelError
 from sfi.eviction.layer import EvictionLayer, EvictionStep, Observer, Policy
@@ -21,7 +20,7 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 MASKED = "masked"  # the kind of an eviction cache's decode step: it reads its kept entries
 
 
-class EvictionCache(Cache):
+class EvictionCache(WritesInAttention, Cache):
     """A transformers ``Cache`` that decodes like an eviction baseline (quality, not speed).
 
     Args:
@@ -53,15 +52,6 @@ class EvictionCache(Cache):
         self._kinds: tuple[str, ...] = ()
         super().__init__(layers=[EvictionLayer(i, self.num_layers, self.track_attention)
                                  for i in range(self.num_layers)])
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' ``update``; inside a compiled step it writes nothing and returns the
-        new position's ``[B, H, 1, D]``, which the step's attention operator writes
-        (:func:`sfi.attention.attention_step`), so that the step stays one graph."""
-        if torch.compiler.is_compiling():
-            return key_states, value_states
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # --- the routing hook's interface ----------------------------------------------------------
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
