@@ -19,13 +19,14 @@ import matplotlib.pyplot as plt
 import torch
 
 from sfi.config import SFIConfig
-from sfi.decode import PREFILL_CHUNK, continue_greedy, prefill
+from sfi.decode import continue_greedy
 from sfi.demo import DEMO_SEED
 from sfi.eval.tasks import make_sample
 from sfi.hf import eos_token_ids
-from sfi.layers import SlowFastLayer
 from sfi.methods import build_cache
 from sfi.models import load
+from sfi.prefill import PREFILL_CHUNK, prefill
+from sfi.slab import SlabLayer
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/img/memory.png")
 model, tokenizer = load("default")
@@ -50,7 +51,7 @@ with torch.inference_mode():
     answer = continue_greedy(model, cache, ids, head, sample.max_new_tokens,
                              eos_token_ids(model, tokenizer))
 text = tokenizer.decode(answer, skip_special_tokens=True).strip()
-layers = [layer.layer_idx for layer in cache.layers if isinstance(layer, SlowFastLayer)]
+layers = [layer.layer_idx for layer in cache.layers if isinstance(layer, SlabLayer)]
 total = length + len(answer)
 recent_from = total - config.recent - 1
 k = config.budget(length)

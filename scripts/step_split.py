@@ -4,7 +4,7 @@
 
 Runs the default preset with a fixed trigger of period 2 (every other step slow) and prints
 the median fast and slow step with the wall time of their parts, measured by wrapping the
-functions that do them: the layers' SFI attention (``SlowFastLayer.decode``), within it the
+functions that do them: the layers' SFI attention (``SlowFastAttention.decode``), within it the
 dense attention of a slow step, the refresh (the Selector's scoring, the selection, the
 pack), and the coverage probes. Beside them, the same model's dense step at a 256-token
 context: what a step costs before attention has anything to read (the weights, the model's
@@ -22,12 +22,13 @@ from dataclasses import replace
 import torch
 
 import sfi
-from sfi import layers, selection
+from sfi import layer_attention, selection
 from sfi.bench.throughput import benchmark_ids, make_bench_cache
 from sfi.config import SFIConfig
-from sfi.decode import decode_one, prefill
+from sfi.prefill import prefill
 from sfi.prefix import prefix_kv
 from sfi.selector import SFISelector
+from sfi.steps import decode_one
 
 spent: dict[str, float] = {}
 
@@ -76,12 +77,12 @@ def main() -> None:
     floor = steps(model, tokenizer, SFIConfig(), 256, args.batch, 16, mode="full-static")
     print(f"dense step at 256 tokens (full-static): "
           f"{1000 * statistics.median(s for s, _, _ in floor):.1f} ms")
-    timed(layers.SlowFastLayer, "decode", "SFI attention (all layers)")
-    timed(layers, "dense_attention", "  dense attention")
-    timed(layers.SlowFastLayer, "_refresh", "  refresh")
+    timed(layer_attention.SlowFastAttention, "decode", "SFI attention (all layers)")
+    timed(layer_attention, "dense_attention", "  dense attention")
+    timed(layer_attention.SlowFastAttention, "_refresh", "  refresh")
     timed(SFISelector, "score", "    Selector scoring")
     timed(selection, "select", "    selection (scoring included)")
-    timed(layers.SlowFastLayer, "_probe_coverage", "  coverage probes")
+    timed(layer_attention.SlowFastAttention, "_probe_coverage", "  coverage probes")
     config = replace(SFIConfig(), trigger="fixed", period=2)
     rows = steps(model, tokenizer, config, args.context, args.batch, args.steps)
     for kind in ("fast", "slow"):

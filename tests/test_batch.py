@@ -11,7 +11,7 @@ from helpers import lockstep
 
 import sfi
 from sfi import SFIConfig
-from sfi.layers import SlowFastLayer
+from sfi.slab import SlabLayer
 
 CONFIG = dict(sink=3, recent=8, k_head=10, force_sparse=True)
 
@@ -109,7 +109,7 @@ def test_padding_is_never_a_sink_nor_selected():
     pad = cache.padding(1)
     assert pad == 30
     for layer in cache.layers:
-        assert isinstance(layer, SlowFastLayer)
+        assert isinstance(layer, SlabLayer)
         chosen = cache.selected_positions(layer.layer_idx, 1)
         assert bool((chosen >= pad + 3).all())
         sinks = layer.compact_keys[1, :, :3]

@@ -10,11 +10,11 @@ from transformers import DynamicCache
 
 from sfi import SFIConfig, SlowFastCache
 from sfi.hf import cache_argument
-from sfi.layers import SlowFastLayer
+from sfi.slab import SlabLayer
 
 
 def _layers(cache):
-    return [layer for layer in cache.layers if isinstance(layer, SlowFastLayer)]
+    return [layer for layer in cache.layers if isinstance(layer, SlabLayer)]
 
 
 def test_selected_positions_lie_in_the_middle_distinct_and_sized():

@@ -100,7 +100,7 @@ def test_gemma2_sliding_layers_stay_dense_and_full_layers_match():
     from transformers import AutoModelForCausalLM, Gemma2Config
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from sfi.layers import SlowFastLayer
+    from sfi.slab import SlabLayer
 
     torch.manual_seed(0)
     config = Gemma2Config(vocab_size=256, hidden_size=96, intermediate_size=128,
@@ -110,7 +110,7 @@ def test_gemma2_sliding_layers_stay_dense_and_full_layers_match():
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(3))
     run = lockstep(model, ids, SFIConfig(**FULL_BUDGET, trigger="fixed", period=4), steps=10)
     kinds = [type(layer) for layer in run.cache.layers]
-    assert kinds == [DynamicSlidingWindowLayer, SlowFastLayer] * 2
+    assert kinds == [DynamicSlidingWindowLayer, SlabLayer] * 2
     assert [k[0] for k in run.kinds].count("fast") >= 6
     for a, b in zip(run.sfi_logits, run.full_logits):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

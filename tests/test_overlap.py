@@ -66,8 +66,8 @@ def test_rows_read_densely_until_their_rebuild_is_ready():
     assert diffs[1] < 1e-5 and diffs[2] < 1e-5
     # from step 3 on the rebuild has landed: the small memory is read, and it differs
     assert min(diffs[3:]) > 1e-3
-    for layer in sparse.layers:
-        assert layer.pending is None and layer.compact_positions is not None
+    for attention, layer in zip(sparse.attention, sparse.layers):
+        assert attention.pending is None and layer.compact_positions is not None
 
 
 def test_stacked_over_layers_on_cpu():
@@ -129,6 +129,6 @@ def test_a_forward_that_fails_leaves_no_refresh_behind():
     with torch.inference_mode():
         cache.begin_forward(ids[:, -1:], None, 1, 1, ids.device)
     assert not cache.rebuilder._waiting
-    for layer, memory in zip(cache.layers, before):
-        layer.settle(wait=True)
-        assert layer.pending is None and torch.equal(layer.compact_positions, memory)
+    for attention, layer, memory in zip(cache.attention, cache.layers, before):
+        attention.settle(wait=True)
+        assert attention.pending is None and torch.equal(layer.compact_positions, memory)

@@ -321,9 +321,9 @@ def test_the_unheld_pages_kept_between_refreshes_are_those_of_each_step(monkeypa
     """A probe layer keeps its unheld-page mask from one refresh to the next; at every probe
     of a padded batch with refreshes, it equals the mask computed afresh."""
     from sfi.coverage import unheld_pages
-    from sfi.layers import SlowFastLayer
+    from sfi.layer_attention import SlowFastAttention
 
-    kept = SlowFastLayer._unheld_pages
+    kept = SlowFastAttention._unheld_pages
     checked = []
 
     def checking(self, probe, memory, shift, pages):
@@ -335,7 +335,7 @@ def test_the_unheld_pages_kept_between_refreshes_are_those_of_each_step(monkeypa
         checked.append(int(fresh.sum()))
         return outside
 
-    monkeypatch.setattr(SlowFastLayer, "_unheld_pages", checking)
+    monkeypatch.setattr(SlowFastAttention, "_unheld_pages", checking)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(1, 256, (2, 90), generator=g)
     mask = torch.ones_like(ids)

@@ -1,9 +1,10 @@
 """``SlowFastCache``: the transformers ``Cache`` that decodes with Slow-Fast Inference.
 
 Pass it as the cache of ``model.generate`` or of a forward call, or let :func:`sfi.generate`
-build one. It holds one :class:`~sfi.layers.SlowFastLayer` per full-attention layer (tensors
-only), a :class:`~sfi.planner.Planner` (the sequences' state and each step's decisions) and the
-rebuilder that runs slow steps' selections. Building it routes the model's attention through
+build one. It holds one :class:`~sfi.slab.SlabLayer` per full-attention layer (tensors only),
+one :class:`~sfi.layer_attention.SlowFastAttention` beside each (how a step reads and rebuilds
+that layer), a :class:`~sfi.planner.Planner` (the sequences' state and each step's decisions)
+and the rebuilder that runs slow steps' selections. Building it routes the model's attention through
 sfi for the cache's lifetime (:func:`sfi.hf.routed`): before each forward the routing hook calls
 :meth:`SlowFastCache.begin_forward`, which plans the step; the layers carry the plan out; after
 the forward :meth:`SlowFastCache.end_forward` commits it and records what the step did.
@@ -20,17 +21,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from sfi.attention import WritesInAttention
 from sfi.config import SFIConfig
-from sfi.context import StepContext
+from sfi.context import StepContext, current_step
 from sfi.cost_model import weight_positions
 from sfi.errors import SFIError, UnsupportedModelError
 from sfi.hf import RoutingLease, text_config
-from sfi.layers import SlowFastLayer
+from sfi.layer_attention import SlowFastAttention
 from sfi.layout import weight_byte_ratio
 from sfi.overlap import Rebuilder, make_rebuilder
 from sfi.planner import Planner, StepPlan, TriggerFactory
 from sfi.scorers import Scorer
 from sfi.selector import SFISelector
 from sfi.sequence import SLOW, Memory, record_verified
+from sfi.slab import SlabLayer
 from sfi.stats import DecodeStats
 from sfi.triggers import make_trigger, token_classes
 
@@ -94,7 +96,20 @@ class SlowFastCache(WritesInAttention, Cache):
         capacity = int(max_cache_len) if max_cache_len else 256
         super().__init__(layers=_build_layers(model, capacity))
         self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
+        self.attention = _attention_of(self.layers)
         self.planner = Planner(self._layer_ids)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' write of layer ``layer_idx``: only inside a forward this cache
+        planned (the routing hook plans each step of the model it was built with)."""
+        if isinstance(self.layers[layer_idx], SlabLayer) and not torch.compiler.is_compiling():
+            step = current_step()
+            if step is None or step.layer(layer_idx) is not self.attention[layer_idx]:
+                raise SFIError(
+                    "this SlowFastCache was not planned for this forward pass: call the model it "
+                    "was built with (its forward hook plans each step), not a submodule")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # --- the routing hook's interface ----------------------------------------------------------
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -111,14 +126,14 @@ class SlowFastCache(WritesInAttention, Cache):
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,
                                  select=not self.prompt_continues, phase=self.phase)
-        return StepContext(layers=self.layers, plan=plan, rebuilder=self.rebuilder)
+        return StepContext(layers=self.attention, plan=plan, rebuilder=self.rebuilder)
 
     def end_forward(self, step: StepContext) -> None:
         """The planned forward ran: commit its plan and record what it did."""
         plan: StepPlan = step.plan
         self.rebuilder.flush()  # the forward's refreshes, stacked over its layers
-        for layer in self._sfi_layers():
-            layer.settle()  # commit what is ready (inside the forward's inference mode)
+        for attention in self._attending():
+            attention.settle()  # commit what is ready (inside the forward's inference mode)
         step.missed.update(step.coverage.missing())
         self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
         self._kinds = self.planner.executed_kinds(plan, step.lagged)
@@ -159,7 +174,7 @@ class SlowFastCache(WritesInAttention, Cache):
         keys = prefix[0][0]
         self._start(keys.shape[0], attention_mask, keys.device)
         for layer, (k, v) in zip(self.layers, prefix):
-            if isinstance(layer, SlowFastLayer):
+            if isinstance(layer, SlabLayer):
                 layer.append(k, v)
             else:
                 layer.update(k, v)
@@ -253,17 +268,18 @@ class SlowFastCache(WritesInAttention, Cache):
     def reads_densely(self, layer_idx: int, row: int) -> bool:
         """Whether sequence ``row`` always attends densely at ``layer_idx`` (one of its first
         ``dense_layers`` layers, or a layer that keeps its own sliding window)."""
-        return (not isinstance(self.layers[layer_idx], SlowFastLayer)
+        return (not isinstance(self.layers[layer_idx], SlabLayer)
                 or layer_idx < self.planner.sequences[row].config.dense_layers)
 
     def selected_positions(self, layer_idx: int, row: int) -> torch.Tensor:
         """``[H, k]`` the positions selected for sequence ``row`` at layer ``layer_idx``."""
         layer = self.layers[layer_idx]
         memory = self.memory(row)
-        if not isinstance(layer, SlowFastLayer) or layer.compact_positions is None or \
-                memory is None:
+        if not isinstance(layer, SlabLayer) or memory is None:
             raise SFIError(f"layer {layer_idx} holds no selection for sequence {row}")
-        layer.settle(wait=True)
+        self.attention[layer_idx].settle(wait=True)
+        if layer.compact_positions is None:
+            raise SFIError(f"layer {layer_idx} holds no selection for sequence {row}")
         return layer.compact_positions[row, :, memory.sink: memory.sink + memory.k]
 
     # --- continuous batching --------------------------------------------------------------------
@@ -283,9 +299,11 @@ class SlowFastCache(WritesInAttention, Cache):
         length = max(self.get_seq_length(), other.get_seq_length())
         shifts = (length - self.get_seq_length(), length - other.get_seq_length())
         width = max(self.planner.compact_width, other.planner.compact_width)
+        if not all(isinstance(layer, SlabLayer) for layer in (*self.layers, *other.layers)):
+            raise SFIError("merge supports models whose layers are all full attention")
+        for cache in (self, other):
+            cache.settle()
         for mine, theirs in zip(self.layers, other.layers):
-            if not (isinstance(mine, SlowFastLayer) and isinstance(theirs, SlowFastLayer)):
-                raise SFIError("merge supports models whose layers are all full attention")
             mine.absorb(theirs, length, shifts, width)
         self.planner.shift(shifts[0])
         other.planner.shift(shifts[1])
@@ -324,6 +342,7 @@ class SlowFastCache(WritesInAttention, Cache):
         device = layers[0].device
         index = torch.tensor(rows, dtype=torch.long, device=device)
         trim = self.planner.keep(rows)
+        self.settle()
         for layer in layers:
             layer.keep(index, trim)
         self._kinds = ()
@@ -331,6 +350,7 @@ class SlowFastCache(WritesInAttention, Cache):
     # --- lifetime --------------------------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
+        self.attention = _attention_of(self.layers)
         self.planner = Planner(self._layer_ids)
         self._kinds = ()
 
@@ -344,8 +364,18 @@ class SlowFastCache(WritesInAttention, Cache):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _sfi_layers(self) -> list[SlowFastLayer]:
-        return [layer for layer in self.layers if isinstance(layer, SlowFastLayer)]
+    def settle(self) -> None:
+        """Commit every layer's pending rebuild (waiting for it) and forget what the layers
+        kept of the rows' memories: before the rows move (a join or a leave)."""
+        for attention in self._attending():
+            attention.settle(wait=True)
+            attention.forget()
+
+    def _sfi_layers(self) -> list[SlabLayer]:
+        return [layer for layer in self.layers if isinstance(layer, SlabLayer)]
+
+    def _attending(self) -> list[SlowFastAttention]:
+        return [attention for attention in self.attention if attention is not None]
 
 
 def _resolve_tokenizer(model: torch.nn.Module, tokenizer: Any) -> Any:
@@ -364,8 +394,15 @@ def _resolve_tokenizer(model: torch.nn.Module, tokenizer: Any) -> Any:
                    "or use SFIConfig(trigger='fixed')")
 
 
+def _attention_of(layers: Sequence[CacheLayerMixin]) -> list[SlowFastAttention | None]:
+    """What attends each layer: a :class:`SlowFastAttention` for each slab layer, None for a
+    sliding-window layer (the model's own attention)."""
+    return [SlowFastAttention(layer) if isinstance(layer, SlabLayer) else None
+            for layer in layers]
+
+
 def _build_layers(model: torch.nn.Module, capacity: int) -> list[CacheLayerMixin]:
-    """One SlowFastLayer per full-attention layer; sliding-window layers keep their window."""
+    """One SlabLayer per full-attention layer; sliding-window layers keep their window."""
     config = text_config(model)
     n_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
@@ -376,7 +413,7 @@ def _build_layers(model: torch.nn.Module, capacity: int) -> list[CacheLayerMixin
         if kind == "sliding_attention" and window:
             layers.append(DynamicSlidingWindowLayer(sliding_window=window))
         elif kind in ("full_attention", "sliding_attention"):
-            layers.append(SlowFastLayer(idx, capacity))
+            layers.append(SlabLayer(idx, capacity))
         else:
             raise UnsupportedModelError(
                 f"layer {idx} of this model is of type {kind!r}; sfi handles attention layers "

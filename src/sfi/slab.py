@@ -5,8 +5,9 @@ grown by a quarter (at least 256 positions) when full, so that append is amortis
 norm of every cached key (the Selector's prior); the compact buffer that packs the sink and
 selected entries of every (sequence, KV head) contiguously; and per-page key summaries kept
 incrementally for the coverage probes. Sequences join into free rows and leave without the
-batch being copied (``absorb``, ``keep``). How a step reads these tensors is
-:class:`sfi.layers.SlowFastLayer`'s.
+batch being copied (``absorb``, ``keep``). It stores and reads what it is told to; what a step
+does with these tensors (which rows attend how, when the compact buffer is rebuilt, and with
+what) is :class:`sfi.layer_attention.SlowFastAttention`'s, and it imports nothing of the plan.
 
 Shapes: B sequences, H KV heads, T cache length, D head size, C compact slots, P pages.
 """
@@ -21,9 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from sfi.errors import SFIError
-from sfi.overlap import StagedCompact
 from sfi.pages import page_bounds, page_boxes, page_count
-from sfi.planner import SlowRows
 from sfi.rows import Rows
 from sfi.scorers import key_norms_of
 
@@ -57,8 +56,8 @@ class SlabLayer(CacheLayerMixin):
     Storage ``[B, H, capacity, D]``; ``keys``/``values`` are views of the filled part
     ``[B, H, T, D]``; ``key_norms`` is ``[B, H, T]``. The compact buffer ``[B, H, C, D]`` holds,
     per row, its S sink slots then its selected slots; ``compact_positions [B, H, C]`` says
-    which cache position each slot holds. Writes go through :meth:`append` (what
-    ``SlowFastLayer.update`` calls inside a planned forward).
+    which cache position each slot holds. Writes go through :meth:`append` (new positions),
+    :meth:`write_compact` (a rebuilt compact buffer) and :meth:`blank` (exact mode's holes).
     """
 
     is_sliding = False
@@ -83,9 +82,7 @@ class SlabLayer(CacheLayerMixin):
         self.compact_keys: torch.Tensor | None = None
         self.compact_values: torch.Tensor | None = None
         self.compact_positions: torch.Tensor | None = None
-        self.pending: StagedCompact | None = None
         self._pages: _PageSummaries | None = None
-        self._unheld: tuple[tuple, torch.Tensor] | None = None  # a probe's, until a refresh
 
     # --- the CacheLayerMixin interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -100,6 +97,11 @@ class SlabLayer(CacheLayerMixin):
         self._bind()
         self.is_initialized = True
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' write: :meth:`append`."""
+        return self.append(key_states, value_states)
+
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``[B, H, L, D]`` keys/values after the filled part (and the keys' norms)."""
@@ -113,6 +115,17 @@ class SlabLayer(CacheLayerMixin):
         self._norms[:, :, start:end] = key_norms_of(key_states)
         self.length = end
         return self.keys, self.values
+
+    def blank(self, empty: torch.Tensor, start: int) -> None:
+        """Zero the KV (and key norms) where ``empty [B, n]`` is true, in the n slots from
+        ``start`` (exact mode's holes, which no read attends: ``sfi.visibility``); the page
+        summaries from ``start`` on are made again when asked."""
+        end = start + empty.shape[1]
+        self._keys[:, :, start:end].masked_fill_(empty[:, None, :, None], 0)
+        self._values[:, :, start:end].masked_fill_(empty[:, None, :, None], 0)
+        self._norms[:, :, start:end].masked_fill_(empty[:, None, :], 0)
+        if self._pages is not None and self._pages.done > start:
+            self._pages.done = start
 
     def truncate(self, length: int) -> None:
         """Forget the positions from ``length`` on (their page summaries are made again when
@@ -140,7 +153,6 @@ class SlabLayer(CacheLayerMixin):
         if self._slab:
             self.origin = 0
             self._bind()
-        self.pending = None
         self._pages = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -164,7 +176,7 @@ class SlabLayer(CacheLayerMixin):
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:  # CacheLayerMixin.__init__ assigns None
         if value is not None:
-            raise SFIError("SlowFastLayer storage is written through update() only")
+            raise SFIError("SlabLayer storage is written through update() only")
 
     @property
     def values(self) -> torch.Tensor | None:
@@ -173,7 +185,7 @@ class SlabLayer(CacheLayerMixin):
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
         if value is not None:
-            raise SFIError("SlowFastLayer storage is written through update() only")
+            raise SFIError("SlabLayer storage is written through update() only")
 
     @property
     def key_norms(self) -> torch.Tensor:
@@ -292,31 +304,14 @@ class SlabLayer(CacheLayerMixin):
         return torch.inference_mode(self._keys is not None and self._keys.is_inference())
 
     # --- the compact buffer --------------------------------------------------------------------
-    def pack(self, slow: SlowRows, selected: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gather the sink + ``selected [n, H, k]`` entries of the ``slow`` rows:
-        ``(keys, values)`` ``[n, H, W, D]`` and their ``positions [n, H, W]``, each row's S
-        sink slots first (W = S_max + k)."""
-        n, h = len(slow.rows), self._keys.shape[1]
-        sinks = slow.sink_positions[:, None, :].expand(n, h, -1)
-        if slow.uniform_sink is not None or selected.shape[-1] == 0:
-            positions = torch.cat([sinks, selected], dim=-1)
-        else:  # rows with different S: row b's selected slots start at its own S_b
-            width = sinks.shape[-1] + selected.shape[-1]
-            slot = torch.arange(width, device=self.device)[None, :]
-            from_selected = (slot - slow.sinks[:, None]).clamp(0, selected.shape[-1] - 1)
-            chosen = selected.gather(-1, from_selected[:, None, :].expand(n, h, width))
-            padded = torch.cat([sinks, sinks[..., :1].expand(n, h, selected.shape[-1])], dim=-1)
-            positions = torch.where(slot[:, None, :] < slow.sinks[:, None, None], padded, chosen)
-        rows = slow.rows.index
-        return (self._entries("_keys", rows, positions),
-                self._entries("_values", rows, positions), positions)
+    def gather(self, rows: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[n, H, W, D]``: the entries at ``positions [n, H, W]`` of the
+        rows ``rows [n]``, each one ``index_select`` of D-wide rows of the contiguous slab, which
+        on CPU copies about twice as fast as advanced indexing of the strided view."""
+        return self._entries("_keys", rows, positions), self._entries("_values", rows, positions)
 
     def _entries(self, name: str, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[n, H, W, D]`` the entries at ``positions [n, H, W]`` of the ``rows [n]`` of the
-        keys or values: one ``index_select`` of D-wide rows of the slab (on this CPU, a 16K cache,
-        3 heads x 2,052 entries: about 0.11 ms against 0.19 ms for advanced indexing of the
-        strided view)."""
         view, slab = getattr(self, name), self._slab[name]  # the slab is contiguous
         d = view.shape[-1]
         heads = torch.arange(view.shape[1], device=self.device)
@@ -325,26 +320,16 @@ class SlabLayer(CacheLayerMixin):
         index = first // d + positions  # [n, H, W] rows of the slab seen as [*, D]
         return slab.view(-1, d).index_select(0, index.flatten()).view(*index.shape, d)
 
-    def settle(self, wait: bool = False) -> Rows | None:
-        """Commit a pending rebuild that is ready (or, with ``wait``, once it is); return the
-        rows whose rebuild is still running, which must read densely for now."""
-        staged = self.pending
-        if staged is None:
-            return None
-        if not (wait or staged.ready()):
-            return staged.rows
-        staged.wait()
-        if staged.dropped:  # its forward failed: the memory stays as the planner last left it
-            self.pending = None
-            return None
-        self.ensure_compact(staged.width)
-        width = staged.keys.shape[-2]
-        staged.rows.put(self.compact_keys[:, :, :width], staged.keys)
-        staged.rows.put(self.compact_values[:, :, :width], staged.values)
-        staged.rows.put(self.compact_positions[:, :, :width], staged.positions)
-        self.pending = None
-        self._unheld = None
-        return None
+    def write_compact(self, rows: Rows, keys: torch.Tensor, values: torch.Tensor,
+                      positions: torch.Tensor, width: int) -> None:
+        """Store the ``rows``' rebuilt compact entries: ``keys``/``values`` ``[n, H, W, D]``
+        and their cache ``positions [n, H, W]`` in slots ``[0, W)`` of a buffer of at least
+        ``width`` slots."""
+        self.ensure_compact(width)
+        w = keys.shape[-2]
+        rows.put(self.compact_keys[:, :, :w], keys)
+        rows.put(self.compact_values[:, :, :w], values)
+        rows.put(self.compact_positions[:, :, :w], positions)
 
     def ensure_compact(self, width: int) -> None:
         """Allocate the compact buffer, or grow it to ``width`` slots (contents kept)."""
@@ -373,14 +358,12 @@ class SlabLayer(CacheLayerMixin):
         They are written into free rows of the slab. This layer's sequences stay where they
         are: more left padding for them (``shifts[0]``) takes room left of the origin when
         there is enough; the slab is copied only when it lacks rows, room for that padding or
-        room for ``length`` positions."""
+        room for ``length`` positions. Neither layer may have a compact rebuild pending."""
         with self._storage_mode():
             self._absorb(other, length, shifts, compact_width)
 
     def _absorb(self, other: SlabLayer, length: int, shifts: tuple[int, int],
                 compact_width: int) -> None:
-        self.settle(wait=True)
-        other.settle(wait=True)
         n, m = self.rows, other.rows
         needed = length + 16
         if n + m <= self.reserved and shifts[0] <= self.origin and \
@@ -412,19 +395,19 @@ class SlabLayer(CacheLayerMixin):
         self.rows = n + m
         self.length = length
         self._bind()
-        self._pages = self._unheld = None  # positions moved: summarise again when asked
+        self._pages = None  # positions moved: summarise again when asked
 
     def keep(self, index: torch.Tensor, trim: int) -> None:
         """Keep the sequences ``index`` and drop the first ``trim`` positions (padding).
 
         The rows kept move up into the freed ones (only rows below a freed one are copied);
-        the trimmed padding becomes room left of the origin."""
+        the trimmed padding becomes room left of the origin. No compact rebuild may be
+        pending."""
         with self._storage_mode():
             self._keep(index, trim)
 
     def _keep(self, index: torch.Tensor, trim: int) -> None:
-        self.settle(wait=True)
-        self._pages = self._unheld = None
+        self._pages = None
         order = index.tolist()
         names = [name for name in (*_POSITIONAL, *_COMPACT) if name in self._slab]
         if all(a < b for a, b in itertools.pairwise(order)):

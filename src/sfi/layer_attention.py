@@ -1,8 +1,8 @@
-"""One attention layer of a slow-fast cache: how it carries out a step's plan.
+"""The attention of one slow-fast layer: how it carries out a step's plan on its storage.
 
-``SlowFastLayer`` holds its tensors as a :class:`sfi.slab.SlabLayer` (full KV, key norms, the
-compact buffer, page summaries) and never points back to its cache: :meth:`attend` gets the
-step (plan, rebuilder) as an argument and follows the plan:
+:class:`SlowFastAttention` reads and writes one :class:`sfi.slab.SlabLayer` (full KV, key
+norms, the compact buffer, page summaries: tensors only) and never points back to its cache:
+:meth:`attend` gets the step (plan, rebuilder) as an argument and follows the plan:
 
 - prefill (several queries): dense attention as the model computes it, then, for the rows the
   plan refreshes, a first selection from the last W queries;
@@ -23,11 +23,10 @@ from typing import Any
 import torch
 
 from sfi.attention import AttendingLayer
-from sfi.context import StepContext, current_step
+from sfi.context import StepContext
 from sfi.coverage import page_scores, unheld_pages
-from sfi.errors import SFIError
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
-from sfi.overlap import Refresh
+from sfi.overlap import Refresh, StagedCompact
 from sfi.planner import VERIFY, Probe, SlowRows, StepPlan
 from sfi.rows import Rows
 from sfi.scorers import make_evidence, scores_rows_alone
@@ -35,32 +34,46 @@ from sfi.selection import PreviousSelection, previous_selection
 from sfi.slab import SlabLayer
 
 
-class SlowFastLayer(AttendingLayer, SlabLayer):
-    """A :class:`~sfi.slab.SlabLayer` that attends: dense, slow (dense + refresh) and fast rows
-    of a planned step, the coverage probes, the refresh."""
+class SlowFastAttention(AttendingLayer):
+    """The dense, slow (dense + refresh) and fast rows of a planned step at one layer, its
+    coverage probes and its refreshes, carried out on the layer's storage ``store``.
+
+    What it keeps from one step to the next: the layer's rebuild in flight (``pending``,
+    committed into the store by :meth:`settle`) and the coverage probes' unheld pages (valid
+    until a memory changes: :meth:`forget`)."""
+
+    def __init__(self, store: SlabLayer) -> None:
+        self.store = store
+        self.layer_idx = store.layer_idx
+        self.pending: StagedCompact | None = None
+        self._unheld: tuple[tuple, torch.Tensor] | None = None  # a probe's, until a refresh
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``key_states``/``value_states`` ``[B, H, L, D]``; return the filled views.
+        """Append ``key_states``/``value_states`` ``[B, H, L, D]`` to the store; the filled
+        views (what a compiled step's attention operator calls: ``sfi.attention``)."""
+        return self.store.append(key_states, value_states)
 
-        Only inside a forward that the cache planned (the model's routing hook plans it)."""
-        step = current_step()
-        if step is None or step.layer(self.layer_idx) is not self:
-            raise SFIError(
-                "this SlowFastCache was not planned for this forward pass: call the model it was "
-                "built with (its forward hook plans each step), not a submodule")
-        return self.append(key_states, value_states)
+    def settle(self, wait: bool = False) -> Rows | None:
+        """Commit a pending rebuild that is ready (or, with ``wait``, once it is) into the
+        store; return the rows whose rebuild is still running, which must read densely for
+        now."""
+        staged = self.pending
+        if staged is None:
+            return None
+        if not (wait or staged.ready()):
+            return staged.rows
+        staged.wait()
+        self.pending = None
+        if not staged.dropped:  # a dropped one's forward failed: the memory stays as it was
+            self.store.write_compact(staged.rows, staged.keys, staged.values, staged.positions,
+                                     staged.width)
+            self._unheld = None
+        return None
 
-    def blank(self, empty: torch.Tensor, start: int) -> None:
-        """Zero the KV (and key norms) where ``empty [B, n]`` is true, in the n slots from
-        ``start``: exact mode's holes, which no read attends (``sfi.visibility``); the page
-        summaries from ``start`` on are made again."""
-        end = start + empty.shape[1]
-        self._keys[:, :, start:end].masked_fill_(empty[:, None, :, None], 0)
-        self._values[:, :, start:end].masked_fill_(empty[:, None, :, None], 0)
-        self._norms[:, :, start:end].masked_fill_(empty[:, None, :], 0)
-        if self._pages is not None and self._pages.done > start:
-            self._pages.done = start
+    def forget(self) -> None:
+        """The rows moved (a join or a leave): what was kept of their memories is stale."""
+        self._unheld = None
 
     # --- attention (the AttendingLayer protocol) ---------------------------------------------
     def attend(self, step: StepContext, module: torch.nn.Module, query: torch.Tensor,
@@ -81,10 +94,11 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         evidence of the rows it refreshes, where their window holds all Q queries."""
         plan: StepPlan = step.plan
         b, hq, nq, d = query.shape
-        h = self.keys.shape[1]
+        keys, values = self.store.keys, self.store.values
+        h = keys.shape[1]
         q = query.reshape(b, h, hq // h * nq, d)  # rows (query head, query), as window_logits
-        out, logits, attention = block_attention(q, self.keys, self.values, plan.block_bias,
-                                                 nq, scale, softcap)
+        out, logits, attention = block_attention(q, keys, values, plan.block_bias, nq, scale,
+                                                 softcap)
         slow = plan.slow
         if slow is not None and len(plan.dense_at(self.layer_idx)) < len(slow.rows):
             if set(slow.evidence_windows) == {nq}:
@@ -107,7 +121,7 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
                softcap: float | None) -> torch.Tensor:
         """One decode step for the whole batch: ``q [B, H, G, D]`` -> ``[B, H, G, D]``."""
         plan: StepPlan = step.plan
-        keys, values = self.keys, self.values
+        keys, values = self.store.keys, self.store.values
         out = q.new_empty(*q.shape[:3], values.shape[-1])
         rebuilding = self.settle()  # rows whose compact rebuild is still running read densely
 
@@ -130,12 +144,13 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         if plan.fast:
             fast, width = plan.fast, plan.compact_width
             rows = fast.rows
-            self.ensure_compact(width)
+            self.store.ensure_compact(width)
             probes = plan.probes_at(self.layer_idx)
             lse: list[torch.Tensor] | None = [] if probes else None
+            store = self.store
             o = fast_attention(rows.take(q),
-                               rows.take(self.compact_keys[:, :, :width]),
-                               rows.take(self.compact_values[:, :, :width]), fast.compact_bias,
+                               rows.take(store.compact_keys[:, :, :width]),
+                               rows.take(store.compact_values[:, :, :width]), fast.compact_bias,
                                rows.take(keys[:, :, fast.read_start:]),
                                rows.take(values[:, :, fast.read_start:]), fast.recent_bias,
                                scale, softcap, lse)
@@ -160,14 +175,14 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         ``fast_lse [n_fast, H, G]``: the fast rows' memory log-sum-exp."""
         target = probe.target
         rows = target.rows
-        boxes = self.page_boxes(probe.page, probe.shift, probe.aligned, target.reach)
-        memory = rows.take(self.compact_positions[:, :, : plan.compact_width])
+        boxes = self.store.page_boxes(probe.page, probe.shift, probe.aligned, target.reach)
+        memory = rows.take(self.store.compact_positions[:, :, : plan.compact_width])
         shift = rows.take(probe.shift) if probe.shift is not None else None
         query = rows.take(q)
         outside = self._unheld_pages(probe, memory, shift, boxes.shape[2])
         step.coverage.add(
             rows.indices, rows.index, query,
-            page_scores(query, rows.take(boxes), outside), self.keys,
+            page_scores(query, rows.take(boxes), outside), self.store.keys,
             fast_lse.index_select(0, target.fast_index), page=probe.page, top=probe.top,
             threshold=probe.threshold, scale=scale, softcap=softcap, shift=shift,
             aligned=probe.aligned)
@@ -196,7 +211,7 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         bias = slow.evidence_bias  # [n, W, T]
         w = bias.shape[1]
         q = slow.rows.take(query[:, :, -w:])  # [n, Hq, W, D]
-        keys = slow.rows.take(self.keys)
+        keys = slow.rows.take(self.store.keys)
         logits = window_logits(q, keys, bias, scale, softcap)  # [n, H, G * W, T]
         grouped = q.reshape(q.shape[0], keys.shape[1], -1, q.shape[-1])  # [n, H, G * W, D]
         self._refresh(step, slow, logits, queries=w, query=grouped)
@@ -214,17 +229,18 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
         self.settle(wait=True)  # a newer refresh supersedes a pending one
         if all(scores_rows_alone(group.scorer) for group in slow.groups):
             query = None  # nor the keys: no scorer of these rows reads them (no copy either)
-        key_norms = slow.rows.take(self.key_norms)
-        cached_keys = slow.rows.take(self.keys) if query is not None else None
+        key_norms = slow.rows.take(self.store.key_norms)
+        cached_keys = slow.rows.take(self.store.keys) if query is not None else None
         evidence = make_evidence(logits, self.layer_idx, slow.lo, slow.hi, keys=cached_keys,
                                  key_norms=key_norms, candidates=slow.candidates,
                                  queries=queries, query=query, pads=slow.pads,
                                  probabilities=attention)
         previous = self._previous_selection(slow)
+        store = self.store
         refresh = Refresh(slow.rows, evidence, slow.groups, slow.k, slow.pins, previous,
-                          lambda selected: self.pack(slow, selected), step.plan.compact_width)
+                          lambda selected: pack(store, slow, selected), step.plan.compact_width)
         inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sinks,
-                  slow.sink_positions, self._keys, self._values]
+                  slow.sink_positions, self.store.keys, self.store.values]
         held = (previous.selected, previous.pinned) if previous is not None else ()
         inputs += [t for t in (query, cached_keys, attention, *held) if t is not None]
         self.pending = step.rebuilder.submit(refresh, inputs)
@@ -232,9 +248,29 @@ class SlowFastLayer(AttendingLayer, SlabLayer):
 
     def _previous_selection(self, slow: SlowRows) -> PreviousSelection | None:
         """What the rows' current memories hold (for hysteresis and pins), or None."""
-        if self.compact_positions is None:
+        if self.store.compact_positions is None:
             return None
         return previous_selection(
-            slow.rows.take(self.compact_positions), slow.sinks, slow.previous_k,
+            slow.rows.take(self.store.compact_positions), slow.sinks, slow.previous_k,
             slow.pins * (~slow.pinning), slow.candidates.shape[-1],
             hysteresis=any(g.rule.hysteresis > 0 for g in slow.groups))
+
+
+def pack(store: SlabLayer, slow: SlowRows, selected: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather the sink + ``selected [n, H, k]`` entries of the ``slow`` rows from ``store``:
+    ``(keys, values)`` ``[n, H, W, D]`` and their ``positions [n, H, W]``, each row's S sink
+    slots first (W = S_max + k)."""
+    n, h = len(slow.rows), store.keys.shape[1]
+    sinks = slow.sink_positions[:, None, :].expand(n, h, -1)
+    if slow.uniform_sink is not None or selected.shape[-1] == 0:
+        positions = torch.cat([sinks, selected], dim=-1)
+    else:  # rows with different S: row b's selected slots start at its own S_b
+        width = sinks.shape[-1] + selected.shape[-1]
+        slot = torch.arange(width, device=selected.device)[None, :]
+        from_selected = (slot - slow.sinks[:, None]).clamp(0, selected.shape[-1] - 1)
+        chosen = selected.gather(-1, from_selected[:, None, :].expand(n, h, width))
+        padded = torch.cat([sinks, sinks[..., :1].expand(n, h, selected.shape[-1])], dim=-1)
+        positions = torch.where(slot[:, None, :] < slow.sinks[:, None, None], padded, chosen)
+    keys, values = store.gather(slow.rows.index, positions)
+    return keys, values, positions
