@@ -25,8 +25,9 @@ def own_engine(context: int, batch: int, steps: int) -> None:
     import sfi
     from sfi.bench.throughput import benchmark_ids, make_bench_cache
     from sfi.config import SFIConfig
-    from sfi.decode import decode_one, prefill
+    from sfi.prefill import prefill
     from sfi.prefix import prefix_kv
+    from sfi.steps import decode_one
 
     model, tokenizer = sfi.load("default")
     config = SFIConfig(**SFI)

@@ -14,9 +14,10 @@ from serverkit import CONFIG, Server
 
 import sfi
 from sfi.cache import SlowFastCache
-from sfi.decode import decode_one, prefill, prompt_chunks
 from sfi.errors import SFIError
 from sfi.methods import build_cache
+from sfi.prefill import prefill, prompt_chunks
+from sfi.steps import decode_one
 
 
 @pytest.mark.parametrize("length, chunk, window", [

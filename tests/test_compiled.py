@@ -9,8 +9,8 @@ import torch
 
 from sfi import SFIConfig, layout
 from sfi.compiled import compile_decode, compiled_forward, eager_decode
-from sfi.decode import prefill
 from sfi.methods import build_cache
+from sfi.prefill import prefill
 from sfi.steps import decode_one
 
 STEPS = 12

@@ -16,13 +16,13 @@ from transformers import DynamicCache
 
 import sfi
 from sfi import SFIConfig, SlowFastCache
-from sfi.decode import prefill
 from sfi.draft_length import DraftLength, ForwardCost, expected_tokens
-from sfi.exact import ExactDecoder, Sampling, greedy_verdict, speculative_verdict
+from sfi.exact import ExactDecoder, greedy_verdict, speculative_verdict
 from sfi.hf import cache_argument
+from sfi.prefill import prefill
 from sfi.prompts import encode_prompts
 from sfi.sequence import DraftAcceptance
-from sfi.steps import token_distribution
+from sfi.steps import Sampling, token_distribution
 from sfi.texts import essay
 
 # a small memory, so that drafts depart from full attention and are rejected

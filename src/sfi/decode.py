@@ -1,14 +1,10 @@
-"""The decode loop's pieces and ``sfi.generate``.
+"""``sfi.generate``: prompts in, continuations out, in one short loop.
 
-Every loop of the project (``generate``, the server's engine, the evaluations, the benchmark,
-the support-stability analysis) is built from the same three pieces, as in gpt-fast:
-
-- :func:`prefill`: one forward over several tokens per row (a prompt, or the tail of a prompt
-  whose head was loaded from a shared prefill) -> the last position's logits;
-- :func:`decode_one` (in :mod:`sfi.steps`, with the token choice `sample_next`): one forward
-  of one token per row -> its logits;
-- :class:`StopChecker`: when a sequence ends (an end-of-sequence token, a stop string, the
-  token budget) and its text so far.
+The loop is made of the pieces every loop of the project shares (the server's engine, the
+evaluations, the benchmark), as in gpt-fast: :func:`sfi.prefill.prefill` (a prompt's forward),
+the step functions of :mod:`sfi.steps` (:func:`~sfi.steps.token_steps`, one token per row per
+step) or exact mode's rounds (:meth:`sfi.exact.ExactDecoder.rounds`, several tokens per row per
+round), and :class:`sfi.stopping.Outputs` (when each row ends, its text, the streaming).
 
 ``mode="sfi"`` decodes through a :class:`~sfi.cache.SlowFastCache`; ``mode="full"`` through
 transformers' ``DynamicCache`` and SDPA, the model as users run it today; ``mode="exact"``
@@ -19,10 +15,9 @@ with like.
 
 from __future__ import annotations
 
-import itertools
 import numbers
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,95 +25,24 @@ import torch
 
 from sfi.config import SFIConfig
 from sfi.errors import PromptError, SFIError
-from sfi.exact import ExactDecoder, Sampling
-from sfi.hf import cache_argument, context_length, eos_token_ids
+from sfi.exact import ExactDecoder
+from sfi.hf import context_length, eos_token_ids
 from sfi.methods import build_cache
-from sfi.prompts import Prompts, encode_prompts
+from sfi.prefill import prefill
+from sfi.prompts import EncodedPrompts, Prompts, encode_prompts
 from sfi.scorers import Scorer
 from sfi.stats import DecodeStats
-from sfi.steps import decode_one, extended_mask, repeated_ngram_tokens, sample_next
+from sfi.steps import (
+    Sampling,
+    decode_one,
+    repeated_ngram_tokens,
+    sample_next,
+    token_steps,
+)
+from sfi.stopping import Outputs, StopChecker
 
 Mode = Literal["sfi", "full", "exact"]
 MODES: tuple[str, ...] = ("sfi", "full", "exact")
-
-
-# --- the pieces of every loop -------------------------------------------------------------------
-def chunk_end(start: int, length: int, tokens: int | None, window: int) -> int:
-    """Where a prompt's chunk that starts at ``start`` ends, at most ``tokens`` long (None: no
-    bound): at the prompt's end, or short of it by at least ``window`` tokens (the last chunk
-    holds the queries of SFI's first selection)."""
-    rest = length - start
-    if tokens is None or rest <= max(tokens, window):
-        return length
-    return start + min(tokens, rest - window)
-
-
-def prompt_chunks(length: int, chunk: int | None, window: int) -> list[int]:
-    """Boundaries ``[0, ..., length]`` of a prompt's prefill chunks: at most ``chunk`` tokens
-    each, except that the last has at least ``window`` tokens (the queries of SFI's first
-    selection), taken from the chunk before it (:func:`chunk_end`)."""
-    bounds = [0]
-    while bounds[-1] < length:
-        bounds.append(chunk_end(bounds[-1], length, chunk or None, window))
-    return bounds if length else [0, 0]
-
-
-PREFILL_CHUNK = 512  # tokens per forward of a prefill that reports its progress
-
-
-def prefill(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *,
-            attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-            start: int | None = None, chunk: int | None = None,
-            on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
-    """Run ``ids [B, L]`` through ``model`` into ``cache``; return the logits ``[B, V]`` of the
-    last position.
-
-    Positions are ``positions``, else ``start, start + 1, ...`` when ``start`` is given, else
-    the model's default (counting from the cache's length; with left padding pass them).
-    With ``chunk`` the tokens go in forwards of at most that many (the last one at least SFI's
-    evidence window, so that the first selection sees as many queries as in one forward; the
-    first at least as long as the longest left padding, so that every row has a real token in
-    it), and ``on_progress(done, total)`` is called after each. Chunks suit SFI's cache and
-    transformers' dense caches; the eviction baselines, which compress after each prefill
-    forward, are refused."""
-    if positions is None and start is not None:
-        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
-        positions = positions[None].expand(ids.shape[0], -1)
-    length = ids.shape[1]
-    if length == 0:
-        raise PromptError("prefill got no tokens")
-    config = getattr(cache, "config", None)
-    window = config.evidence_window if isinstance(config, SFIConfig) else 1
-    bounds = prompt_chunks(length, chunk, window)
-    past = attention_mask.shape[1] - length if attention_mask is not None else 0
-    if len(bounds) > 2:
-        if getattr(cache, "compresses_after_prefill", False):
-            raise SFIError(f"{type(cache).__name__} compresses its cache after each prefill "
-                           "forward: prefill it in one forward (no chunk)")
-        if attention_mask is not None:
-            # every row needs a real token in the first chunk (a left-padded row's padding)
-            padding = int((attention_mask[:, past:] == 0).sum(dim=-1).max())
-            if padding >= length:
-                raise PromptError("a sequence of the batch is all padding (empty prompt)")
-            bounds = [0, *(b for b in bounds[1:] if b > padding)]
-    continues = getattr(cache, "prompt_continues", None)  # the caller's own chunking, if any
-    try:
-        for begin, end in itertools.pairwise(bounds):
-            kwargs: dict[str, Any] = {}
-            if positions is not None:
-                kwargs["position_ids"] = positions[:, begin:end]
-            if attention_mask is not None:
-                kwargs["attention_mask"] = attention_mask[:, :past + end]
-            if continues is not None:
-                cache.prompt_continues = end < length or continues
-            out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1,
-                        **{cache_argument(model): cache}, **kwargs)
-            if on_progress is not None:
-                on_progress(end, length)
-    finally:
-        if continues is not None:
-            cache.prompt_continues = continues  # as the caller set it, even after a failure
-    return out.logits[:, -1]
 
 
 def continue_greedy(model: torch.nn.Module, cache: Any, ids: torch.Tensor, start: int,
@@ -147,99 +71,6 @@ def continue_greedy(model: torch.nn.Module, cache: Any, ids: torch.Tensor, start
         token = torch.tensor([checker.tokens[-1]], device=device)
         position = torch.tensor([total + len(checker.tokens) - 1], device=device)
         logits = decode_one(model, cache, token, position)
-
-
-class StopChecker:
-    """When one sequence ends, and its text: an end-of-sequence token (not kept), the earliest
-    stop string (the text is cut before it), or ``max_tokens`` tokens.
-
-    Args:
-        tokenizer: decodes the tokens (only needed when there are stop strings, or for
-            :attr:`text`).
-        eos: end-of-sequence token ids.
-        stop: strings that end the sequence.
-        max_tokens: tokens kept at most.
-    """
-
-    def __init__(self, tokenizer: Any, eos: Collection[int], stop: Sequence[str] = (),
-                 max_tokens: int | None = None):
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise SFIError("stop strings must be non-empty strings")
-        self.tokenizer = tokenizer
-        self.eos = eos
-        self.stop = tuple(stop)
-        self.max_tokens = max_tokens
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self._text: str | None = None
-        self._longest = max((len(s) for s in self.stop), default=0)
-        self._scanned = 0  # characters of the text already scanned without a stop string
-        self._cut_at: int | None = None
-        self._last_scanned: str | None = None  # the decoded text the last scan looked at
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def push(self, token: int) -> bool:
-        """Take the next token; returns whether the sequence has ended."""
-        if self.done:
-            return True
-        if token in self.eos:
-            self.finish_reason = "stop"
-            return True
-        self.tokens.append(token)
-        self._text = None
-        if self.stop and self._cut() is not None:
-            self.finish_reason = "stop"
-        elif self.max_tokens is not None and len(self.tokens) >= self.max_tokens:
-            self.finish_reason = "length"
-        return self.done
-
-    def decoded(self) -> str:
-        """The tokens kept so far, decoded (special tokens skipped)."""
-        if self._text is None:
-            self._text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        return self._text
-
-    def _cut(self) -> int | None:
-        """Where the earliest stop string starts; scans only the text not scanned before
-        (with a margin for a multi-byte character that the last token completed)."""
-        if self._cut_at is not None:
-            return self._cut_at
-        text = self.decoded()
-        if text is self._last_scanned:  # no token since the last scan
-            return None
-        self._last_scanned = text
-        start = max(0, self._scanned - self._longest - _DECODE_MARGIN)
-        hits = [at for at in (text.find(s, start) for s in self.stop) if at >= 0]
-        if hits:
-            self._cut_at = min(hits)
-        else:
-            self._scanned = len(text)
-        return self._cut_at
-
-    @property
-    def text(self) -> str:
-        """The text so far, cut before the earliest stop string."""
-        cut = self._cut() if self.stop else None
-        return self.decoded() if cut is None else self.decoded()[:cut]
-
-    @property
-    def settled_text(self) -> str:
-        """What can be streamed now: :attr:`text`, less a tail that could still grow into a
-        stop string (all of it once the sequence has ended)."""
-        text = self.text
-        if self.done or not self.stop:
-            return text
-        for size in range(min(len(text), self._longest - 1), 0, -1):
-            tail = text[-size:]
-            if any(s.startswith(tail) for s in self.stop):
-                return text[:-size]
-        return text
-
-
-_DECODE_MARGIN = 8  # characters at the end of the text that the next token may still change
 
 
 # --- sfi.generate ---------------------------------------------------------------------------
@@ -352,6 +183,66 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: Prompts, *,
         dense steps because the context was too short for sparse reads to pay, its
         ``stats.dense_reason`` says why and a notice is logged once per process.
     """
+    _check_arguments(mode, config, max_new_tokens, temperature, top_p, prefill_chunk)
+    device = next(model.parameters()).device
+    encoded = encode_prompts(tokenizer, prompt, chat, device,
+                             vocab=model.get_input_embeddings().num_embeddings)
+    _check_room(model, encoded, max_new_tokens)
+    input_ids, attention_mask = encoded.input_ids, encoded.attention_mask
+    cache = build_cache(model, tokenizer, "full" if mode == "full" else "sfi", config=config,
+                        scorer=scorer, capacity=input_ids.shape[1] + max_new_tokens)
+    sampling = Sampling(temperature, top_p, None if seed is None else
+                        torch.Generator(device=device).manual_seed(seed))
+    eos = eos_token_ids(model, tokenizer)
+    outputs = Outputs([StopChecker(tokenizer, eos, stop or (), max_new_tokens)
+                       for _ in range(input_ids.shape[0])], on_token)
+    positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+
+    timing = Timing()
+    start = time.perf_counter()
+    logits = prefill(model, cache, input_ids, attention_mask=attention_mask, positions=positions,
+                     chunk=prefill_chunk, on_progress=on_prefill)
+    first = sample_next(logits, temperature, top_p, sampling.generator)
+    timing.prefill_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    outputs.push([[token] for token in first.tolist()])
+    for rows in _steps(mode, model, cache, first, positions[:, -1], attention_mask, sampling,
+                       outputs):
+        outputs.push(rows)
+        timing.decode_steps += max(len(tokens) for tokens in rows)
+        if outputs.done:
+            break
+    timing.decode_s = time.perf_counter() - start
+
+    results = [GenerateResult(text=checker.text, token_ids=checker.tokens,
+                              prompt_tokens=int(length), stats=cache.stats(row), timing=timing,
+                              finish_reason=checker.finish_reason or "length", mode=mode,
+                              config=cache.config if mode != "full" else None)
+               for row, (checker, length) in enumerate(
+                   zip(outputs.checkers, attention_mask.sum(dim=-1).tolist()))]
+    return results[0] if encoded.single else results
+
+
+def _steps(mode: Mode, model: torch.nn.Module, cache: Any, tokens: torch.Tensor,
+           position: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
+           outputs: Outputs) -> Iterator[list[list[int]]]:
+    """The decode steps after the first token ``tokens [B]`` at ``position [B]``: each yields
+    every row's new tokens (one per step; exact mode, a round's committed ones per row)."""
+    if outputs.done:
+        return
+    mask = None if bool(attention_mask.all()) else attention_mask  # no padding: no mask
+    if mode != "exact":
+        yield from token_steps(model, cache, tokens, position, mask, sampling)
+        return
+    exact = ExactDecoder(model, cache, sampling)
+    for emitted in exact.rounds(tokens, position, mask, outputs.wanted):
+        yield emitted.rows()
+
+
+def _check_arguments(mode: str, config: SFIConfig | None, max_new_tokens: Any,
+                     temperature: Any, top_p: Any, prefill_chunk: Any) -> None:
+    """Refuse, naming it, an argument of :func:`generate` out of its range."""
     if mode not in MODES:
         raise SFIError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     check_number("max_new_tokens", max_new_tokens, 1, integer=True)
@@ -361,79 +252,13 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: Prompts, *,
         check_number("prefill_chunk", prefill_chunk, 1, integer=True)
     if mode == "full" and config is not None:
         raise SFIError("config applies to mode='sfi' only; full attention takes no SFI config")
-    device = next(model.parameters()).device
-    encoded = encode_prompts(tokenizer, prompt, chat, device,
-                             vocab=model.get_input_embeddings().num_embeddings)
-    input_ids, attention_mask = encoded.input_ids, encoded.attention_mask
-    prompt_lengths = attention_mask.sum(dim=-1).tolist()
+
+
+def _check_room(model: torch.nn.Module, encoded: EncodedPrompts, max_new_tokens: int) -> None:
+    """Refuse prompts that, with ``max_new_tokens``, would pass the model's context."""
     limit = context_length(model)
-    longest = max(prompt_lengths)
+    longest = int(encoded.attention_mask.sum(dim=-1).max())
     if limit is not None and longest + max_new_tokens > limit:
         raise PromptError(
             f"the prompt is {longest} tokens and max_new_tokens is {max_new_tokens}: together "
             f"{longest + max_new_tokens}, more than the model's context of {limit} tokens")
-
-    batch = input_ids.shape[0]
-    cache = build_cache(model, tokenizer, "full" if mode == "full" else "sfi", config=config,
-                        scorer=scorer, capacity=input_ids.shape[1] + max_new_tokens)
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    eos = eos_token_ids(model, tokenizer)
-    checkers = [StopChecker(tokenizer, eos, stop or (), max_new_tokens) for _ in range(batch)]
-    positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    padded = not bool(attention_mask.all())
-
-    timing = Timing()
-    start = time.perf_counter()
-    logits = prefill(model, cache, input_ids, attention_mask=attention_mask, positions=positions,
-                     chunk=prefill_chunk, on_progress=on_prefill)
-    next_ids = sample_next(logits, temperature, top_p, generator)
-    timing.prefill_s = time.perf_counter() - start
-
-    position = positions[:, -1]
-    exact = ExactDecoder(model, cache, Sampling(temperature, top_p, generator)) if mode == "exact" \
-        else None
-
-    def take(row: int, token: int) -> None:
-        checker = checkers[row]
-        if checker.done:
-            return
-        checker.push(token)
-        if on_token is not None and token not in eos:
-            on_token(row, token)
-
-    def push(tokens: list[int]) -> None:
-        for row, token in enumerate(tokens):
-            take(row, token)
-
-    def wanted() -> tuple[list[bool], int]:
-        return ([not c.done for c in checkers],
-                max(c.max_tokens - len(c.tokens) for c in checkers if not c.done))
-
-    decode_start = time.perf_counter()
-    push(next_ids.tolist())
-    if exact is not None and not all(c.done for c in checkers):
-        for emitted in exact.rounds(next_ids, position, attention_mask if padded else None,
-                                    wanted):
-            for row, tokens in enumerate(emitted.rows()):  # each row takes its own
-                for token in tokens:
-                    take(row, token)
-            timing.decode_steps += emitted.tokens.shape[1]
-            if all(c.done for c in checkers):
-                break
-    while exact is None and not all(c.done for c in checkers):
-        if padded:  # without padding no mask is needed: no O(context) work per step
-            attention_mask = extended_mask(attention_mask, 1)
-        logits = decode_one(model, cache, next_ids, position + 1,
-                            attention_mask if padded else None)
-        next_ids = sample_next(logits, temperature, top_p, generator)
-        position = position + 1
-        timing.decode_steps += 1
-        push(next_ids.tolist())
-    timing.decode_s = time.perf_counter() - decode_start
-
-    results = [GenerateResult(text=checker.text, token_ids=checker.tokens,
-                              prompt_tokens=int(prompt_lengths[row]), stats=cache.stats(row),
-                              timing=timing, finish_reason=checker.finish_reason or "length",
-                              mode=mode, config=cache.config if mode != "full" else None)
-               for row, checker in enumerate(checkers)]
-    return results[0] if encoded.single else results

@@ -43,13 +43,7 @@ from sfi.errors import SFIError
 from sfi.hf import cache_argument
 from sfi.planner import DENSE_STEP, DRAFT, VERIFY
 from sfi.sequence import sparse_pays
-from sfi.steps import (
-    GREEDY_BELOW,
-    decode_one,
-    extended_mask,
-    sample_next,
-    token_distribution,
-)
+from sfi.steps import Sampling, decode_one, extended_mask, sample_next
 
 
 @dataclass(frozen=True)
@@ -123,26 +117,6 @@ class Emitted:
     def rows(self) -> list[list[int]]:
         """Each row's tokens, as lists."""
         return [row[:n] for row, n in zip(self.tokens.tolist(), self.counts.tolist())]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one row chooses its tokens: :func:`sfi.steps.sample_next`'s temperature (below
-    ``GREEDY_BELOW``: greedy), nucleus ``top_p`` and random ``generator``. Rows given the same
-    ``Sampling`` object draw together, in one call."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    generator: torch.Generator | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[..., V]`` logits -> the normalised distribution this row draws from."""
-        probs = token_distribution(logits, self.temperature, self.top_p)
-        return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _groups(samplings: Sequence[Sampling]) -> list[tuple[Sampling, list[int]]]:
@@ -224,14 +198,6 @@ class ExactDecoder:
             if attention_mask is not None:  # (the cache keeps the holes: sfi.visibility)
                 attention_mask = torch.cat([attention_mask, emitted.slots().to(attention_mask)],
                                            dim=-1)
-
-    @staticmethod
-    def round_length(accepted: list[int]) -> int:
-        """The drafts the batch's cache keeps of a round whose rows still wanted accepted
-        ``accepted``: the most any of them accepted (each row commits its own; a shorter
-        one leaves holes). ``min`` would be a common prefix: no holes, fewer tokens per
-        verify (``scripts/exact_commit_ab.py`` compares the two)."""
-        return max(accepted)
 
     def _acceptances(self, active: list[bool]) -> list[float]:
         """The per-token acceptance of each row still wanted (of every row when none is)."""
@@ -327,7 +293,9 @@ class ExactDecoder:
         verdict = self._verdict(target, drafted, q, groups)
         accepted = verdict.accepted.tolist()
         live = [n for n, alive in zip(accepted, active) if alive] or accepted
-        m = self.round_length(live)  # a row that no longer counts commits at most m
+        # each row commits its own accepted drafts: the batch's cache keeps the longest
+        # commit, the shorter ones leave holes; a row that no longer counts commits at most m
+        m = max(live)
         commits = [min(n, m) for n in accepted]
         cache.rewind(start_length + m + 1)  # the positions after the longest commit
         cache.commit_rows(start_length, [c + 1 for c in commits])  # the shorter ones: holes

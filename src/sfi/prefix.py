@@ -10,8 +10,8 @@ import torch
 
 from sfi.caches import KV, DecodeCache, FullCache
 from sfi.cost_model import head_dim, text_config
-from sfi.decode import PREFILL_CHUNK, prefill
 from sfi.eviction.cache import prefill_with_history
+from sfi.prefill import PREFILL_CHUNK, prefill
 
 
 @torch.inference_mode()

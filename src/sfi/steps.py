@@ -1,12 +1,14 @@
 """One decode step's model call and the choice of its token, shared by every loop
-(:mod:`sfi.decode`, :mod:`sfi.exact`, the server's engine).
+(:mod:`sfi.decode`, :mod:`sfi.exact`, the server's engine), and :func:`token_steps`, the
+one-token steps one after another.
 
 Shapes: B sequences, V vocabulary, T cache length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,3 +71,38 @@ def repeated_ngram_tokens(tokens: Sequence[int], n: int) -> list[int]:
     tail = list(tokens[len(tokens) - n + 1:]) if n > 1 else []
     return [tokens[i + n - 1] for i in range(len(tokens) - n + 1)
             if list(tokens[i:i + n - 1]) == tail]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one row chooses its tokens: :func:`sample_next`'s temperature (below
+    ``GREEDY_BELOW``: greedy), nucleus ``top_p`` and random ``generator``. Rows given the same
+    ``Sampling`` object draw together, in one call."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits -> the normalised distribution this row draws from."""
+        probs = token_distribution(logits, self.temperature, self.top_p)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def token_steps(model: torch.nn.Module, cache: Any, tokens: torch.Tensor,
+                position: torch.Tensor, attention_mask: torch.Tensor | None,
+                sampling: Sampling) -> Iterator[list[list[int]]]:
+    """One-token decode steps from ``tokens [B]`` at ``position + 1`` (``position [B]``; the
+    padded ``attention_mask [B, T]``, extended by one each step; None without padding, so
+    that a step does no O(context) work): yields each step's token per row, ``[[t_0], ...,
+    [t_B-1]]``, for as long as the caller takes them."""
+    while True:
+        attention_mask = extended_mask(attention_mask, 1)
+        position = position + 1
+        logits = decode_one(model, cache, tokens, position, attention_mask)
+        tokens = sample_next(logits, sampling.temperature, sampling.top_p, sampling.generator)
+        yield [[token] for token in tokens.tolist()]

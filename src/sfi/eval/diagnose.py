@@ -21,15 +21,16 @@ from typing import Any
 import torch
 
 from sfi.cache import SlowFastCache
-from sfi.decode import decode_one, prefill
 from sfi.eval.runner import WINDOW, greedy_continue
 from sfi.eval.tasks import Sample, score
 from sfi.eviction.cache import EvictionCache
 from sfi.hf import eos_token_ids
 from sfi.methods import budget_tokens, build_cache, parse_method
+from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill
 from sfi.scorers import Evidence, Scorer
 from sfi.selector import top_k_positions
+from sfi.steps import decode_one
 
 
 def answer_positions(tokenizer: Any, sample: Sample) -> dict[str, list[int]]:

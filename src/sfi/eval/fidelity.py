@@ -17,11 +17,12 @@ import torch.nn.functional as F
 
 from sfi.caches import DecodeCache, FullCache
 from sfi.config import SFIConfig
-from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
 from sfi.methods import build_cache
+from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill
 from sfi.scorers import Scorer
+from sfi.steps import decode_one
 
 MethodSpec = SFIConfig | tuple[SFIConfig, Scorer] | Callable[[], Any]
 

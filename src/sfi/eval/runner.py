@@ -19,14 +19,16 @@ import torch
 from sfi.cache import SlowFastCache
 from sfi.caches import DecodeCache
 from sfi.config import SFIConfig
-from sfi.decode import StopChecker, continue_greedy, prefill
+from sfi.decode import continue_greedy
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
 from sfi.eval.tasks import TASKS, Sample, make_sample, score
 from sfi.exact import ExactDecoder
 from sfi.hf import eos_token_ids
 from sfi.methods import Method, budget_tokens, build_cache, parse_method
+from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill
+from sfi.stopping import StopChecker
 
 WINDOW = 32  # SnapKV's observation window; SFI's evidence is the last 16 of these queries
 FIDELITY_TOKENS = 512

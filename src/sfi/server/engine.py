@@ -28,7 +28,6 @@ import torch
 
 from sfi.cache import SlowFastCache
 from sfi.config import SFIConfig
-from sfi.decode import StopChecker, decode_one, sample_next
 from sfi.errors import SFIError
 from sfi.hf import eos_token_ids
 from sfi.methods import build_cache
@@ -43,6 +42,8 @@ from sfi.server.requests import (
     kv_tokens,
 )
 from sfi.stats import DecodeStats
+from sfi.steps import decode_one, sample_next
+from sfi.stopping import StopChecker
 
 __all__ = ["Engine", "EngineLimits"]
 log = logging.getLogger("sfi.server")

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sfi.cache import SlowFastCache
-from sfi.decode import chunk_end, prefill
-from sfi.exact import Emitted, ExactDecoder, RoundCounts, Sampling
+from sfi.exact import Emitted, ExactDecoder, RoundCounts
+from sfi.prefill import chunk_end, prefill
 from sfi.server.requests import GenerationRequest
+from sfi.steps import Sampling
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Join:
 
     def next_end(self, tokens: int | None) -> int:
         """Where a next chunk of at most ``tokens`` (None: no bound) ends
-        (:func:`sfi.decode.chunk_end`)."""
+        (:func:`sfi.prefill.chunk_end`)."""
         return chunk_end(self.prefilled, self.length, tokens, self.window)
 
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sfi.config import SFIConfig
-from sfi.decode import StopChecker
 from sfi.errors import SFIError
-from sfi.exact import RoundCounts, Sampling
+from sfi.exact import RoundCounts
 from sfi.stats import DecodeStats
+from sfi.steps import Sampling
+from sfi.stopping import StopChecker
 
 # events: ("delta", text) ... then ("done", request) or ("error", exception)
 EventSink = Callable[[str, Any], None]
