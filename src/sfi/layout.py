@@ -5,7 +5,7 @@ by how fast the weights stream from memory. How fast a library streams them depe
 and on the weight's layout, measured on this project's machines (2 cores, fp32, 2 threads):
 
 - MKL (what ``torch.nn.functional.linear`` calls on x86) streams a row-major ``[out, in]`` weight
-  at 15-17 GB/s on an AMD EPYC (9-11 GB/s in an earlier measurement), and the same matrix
+  at 15-17 GB/s on an AMD EPYC, and the same matrix
   stored ``[in, out]`` at 22-27 GB/s. With 4 rows (batch 4) it drops to 10-14 GB/s: MKL takes a
   generic path on this AMD CPU.
 - oneDNN (PyTorch's ``mkldnn`` ops, which ``torch.compile`` itself uses for frozen CPU linears)

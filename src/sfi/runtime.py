@@ -5,11 +5,10 @@ speed (a library import changes nothing; call it yourself in a program of your o
 On Linux with glibc, ``malloc`` hands every allocation above a threshold (at most 32 MB, and
 128 KB until a large block is freed) to ``mmap`` and gives it back to the system when freed, so
 a decode loop that makes and frees the same large tensors every step pays a page fault per
-4 KB page each time. In a virtual machine a fault is dear: on the 2-core VM of this project a
-16K-token batch of 4 spent more than half its slow steps faulting (a slow step 947 ms, 466 ms
-with freed memory kept; transformers' DynamicCache step, which copies the cache every step,
-1,802 against 538 ms). PyTorch's CPU tuning guide gives the same advice with another
-allocator (jemalloc or TCMalloc).
+4 KB page each time. In a virtual machine a fault is dear: a slow step of a 16K-token batch of 4
+on this project's 2-core VM spends about half its time faulting unless freed memory is kept.
+PyTorch's CPU tuning guide gives the same advice with another allocator (jemalloc or
+TCMalloc).
 """
 
 from __future__ import annotations

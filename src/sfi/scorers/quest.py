@@ -30,12 +30,11 @@ def box_scores(query: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     centre, then radius).
 
     ``max(q m, q M) = q (m + M) / 2 + |q| (M - m) / 2`` per channel, so the sum over the G
-    heads is one matrix-vector product per page against ``[sum_g q, sum_g |q|]`` (no
-    [G, P, D] intermediate; one product over the boxes side by side ran 1.25x faster than one
-    each over centres and radii). On CPU one ``torch.mv`` per row and head: with boxes out of
-    cache (16K tokens, 3 heads) 62 against 69 us for ``einsum`` at batch 1 and 260 against
-    390-480 us at batch 4, where ``einsum``'s batched product streamed the boxes at half the
-    speed; elsewhere one ``einsum``. A ranking, not differentiated (``query`` is detached)."""
+    heads is one matrix-vector product per page against ``[sum_g q, sum_g |q|]``, over centres
+    and radii side by side (no [G, P, D] intermediate). On CPU one ``torch.mv`` per row and
+    head, because ``einsum``'s batched product streams boxes that are out of cache at about
+    half the speed there; elsewhere one ``einsum``. A ranking, not differentiated (``query`` is
+    detached)."""
     q = query.detach().float()
     both = torch.cat([q.sum(dim=2), q.abs().sum(dim=2)], dim=-1)  # [B, H, 2 D]
     if boxes.device.type != "cpu":
