@@ -285,6 +285,27 @@ def test_a_llama_cpp_row_names_the_weights_its_gguf_stores():
     assert gguf_weights(gguf) == "Q4_1"  # its matrices; norms and biases are F32 vectors
 
 
+def test_llama_cpp_rows_run_each_flash_attention_setting_and_say_which(tmp_path, monkeypatch):
+    from sfi.bench import throughput
+
+    asked = []
+
+    def times(gguf, prompt, new_tokens, warmup, threads, flash_attn=True):
+        asked.append(flash_attn)
+        return [0.05] * new_tokens
+
+    monkeypatch.setattr(throughput, "decode_times", times)
+    monkeypatch.setattr(throughput, "gguf_weights", lambda gguf: "Q8_0")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    model = tiny_model("llama")
+    rows = [throughput.llama_cpp_row(model, gguf, list(range(40)), new_tokens=4, warmup=1,
+                                     bandwidth=10.0, flash_attn=fa) for fa in (True, False)]
+    assert asked == [True, False]
+    assert [r.mode for r in rows] == ["llama.cpp Q8_0", "llama.cpp Q8_0 no-fa"]
+    assert rows[0].decode_tok_s == pytest.approx(20.0)
+
+
 def test_step_rates_count_the_rows_decode_steps():
     from sfi.bench.throughput import step_rates
     from sfi.stats import DecodeStats

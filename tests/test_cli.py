@@ -147,6 +147,10 @@ def test_bench_checks_its_gguf_files_before_it_loads_a_model():
     assert result.returncode == 2 and "is not a GGUF file" in result.stderr
     result = run_cli_here("bench", "--model", "./no/such/dir", "--gguf", "packaged")
     assert result.returncode == 2 and "--gguf packaged" in result.stderr
+    for value in ("maybe", "on,on", ""):
+        result = run_cli_here("bench", "--gguf-flash-attn", value)
+        assert result.returncode == 2, value
+        assert f"--gguf-flash-attn takes on, off or on,off; got {value!r}" in result.stderr
 
 
 @pytest.mark.model

@@ -1,8 +1,9 @@
 """llama.cpp as a benchmark peer (``llama-cpp-python``): which GGUF files to run, what weight
 type each stores, and one greedy decode timed step by step.
 
-llama.cpp runs at its best CPU settings here: as many threads as PyTorch uses (the cores),
-flash attention on, prompt batches of 512, its KV in F16 (its default).
+llama.cpp runs with as many threads as PyTorch uses (the cores), prompt batches of 512, its KV
+in F16 (its default), and flash attention on or off as asked: which of the two is faster on a
+CPU depends on the context (``sfi bench --gguf-flash-attn on,off`` times both).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from sfi.errors import SFIError
 
 #: the word ``--gguf`` takes for the model's own packaged GGUF
 PACKAGED = "packaged"
+#: what a row of llama.cpp with flash attention off adds to its mode's name
+NO_FLASH_ATTN = "no-fa"
 
 
 def gguf_weights(gguf: str | Path) -> str:
@@ -68,8 +71,18 @@ def gguf_files(model: str, items: Sequence[str]) -> list[Path]:
     return paths
 
 
+def flash_attn_settings(value: str) -> tuple[bool, ...]:
+    """``--gguf-flash-attn``'s value (``on``, ``off``, or both, comma-separated) as the flash
+    attention settings llama.cpp runs with, in order."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names or any(name not in ("on", "off") for name in names) or \
+            len(set(names)) != len(names):
+        raise SFIError(f"--gguf-flash-attn takes on, off or on,off; got {value!r}")
+    return tuple(name == "on" for name in names)
+
+
 def decode_times(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: int,
-                 threads: int) -> list[float]:
+                 threads: int, flash_attn: bool = True) -> list[float]:
     """llama.cpp decoding greedily after ``prompt`` (token ids): the seconds of each one-token
     ``eval`` after ``warmup`` untimed ones."""
     import llama_cpp
@@ -77,7 +90,7 @@ def decode_times(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: i
 
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + warmup + new_tokens + 8,
                           n_threads=threads, n_threads_batch=threads, n_batch=512,
-                          flash_attn=True, verbose=False)
+                          flash_attn=flash_attn, verbose=False)
     vocab = llm.n_vocab()
     llm.eval(prompt)
     times = []

@@ -30,19 +30,20 @@ from typing import Any
 
 import torch
 
-from sfi.bench.llama_cpp import decode_times, gguf_weights
+from sfi.bench.llama_cpp import NO_FLASH_ATTN, decode_times, gguf_weights
 from sfi.caches import KV, DecodeCache
 from sfi.config import SFIConfig
 from sfi.cost_model import kv_elements_per_position
-from sfi.decode import decode_one, prefill
 from sfi.errors import SFIError
 from sfi.exact import ExactDecoder
 from sfi.hf import context_length
 from sfi.int8_linear import Int8Linear
 from sfi.layout import PackedLinear
 from sfi.methods import build_cache
+from sfi.prefill import prefill
 from sfi.prefix import prefix_kv
 from sfi.stats import DecodeStats
+from sfi.steps import decode_one
 from sfi.triggers import COVERAGE
 
 MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only", "sfi-exact")
@@ -209,15 +210,16 @@ def exact_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, st
 
 
 def llama_cpp_row(model: torch.nn.Module, gguf: Path, prompt: list[int], *, new_tokens: int,
-                  warmup: int, bandwidth: float) -> BenchRow:
+                  warmup: int, bandwidth: float, flash_attn: bool = True) -> BenchRow:
     """llama.cpp on ``gguf`` after ``prompt`` (real prefill), as a bench row named
-    ``llama.cpp <weight type>``; its floor is the GGUF's bytes and its F16 KV over
-    ``bandwidth``."""
-    times = decode_times(gguf, prompt, new_tokens, warmup, torch.get_num_threads())
+    ``llama.cpp <weight type>`` (``llama.cpp <weight type> no-fa`` with flash attention off);
+    its floor is the GGUF's bytes and its F16 KV over ``bandwidth``."""
+    times = decode_times(gguf, prompt, new_tokens, warmup, torch.get_num_threads(), flash_attn)
     median = round(1000 * statistics.median(times), 3)
     kv = kv_bytes_per_entry(model, element=2) * len(prompt)
     return BenchRow(
-        mode=f"llama.cpp {gguf_weights(gguf)}", context=len(prompt), batch=1, kv="prefill",
+        mode=f"llama.cpp {gguf_weights(gguf)}" + ("" if flash_attn else f" {NO_FLASH_ATTN}"),
+        context=len(prompt), batch=1, kv="prefill",
         new_tokens=len(times), decode_tok_s=round(len(times) / sum(times), 3), step_ms=median,
         fast_step_ms=None, slow_step_ms=None, dense_step_ms=median, slow_fraction=0.0,
         fast_read_fraction=None, fast_fraction=None, coverage_rate=None,
@@ -327,11 +329,11 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
               batches: Sequence[int], new_tokens: int, config: SFIConfig,
               modes: Sequence[str] = MODES, synthetic_kv: bool = False,
               memory_limit: int | None = None, warmup: int = 2,
-              ggufs: Sequence[Path] = (),
+              ggufs: Sequence[Path] = (), flash_attn: Sequence[bool] = (True,),
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every (mode, context, batch); returns ``{"rows": [...], "skipped": [...], ...}``.
     At batch 1 each GGUF in ``ggufs`` (the same model) also decodes the cell's token ids in
-    llama.cpp (:func:`llama_cpp_row`)."""
+    llama.cpp (:func:`llama_cpp_row`), once per ``flash_attn`` setting."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SFIError(f"unknown bench mode(s) {', '.join(unknown)}; choose from "
@@ -370,10 +372,13 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
                                          new_tokens=new_tokens, warmup=warmup,
                                          bandwidth=bandwidth, tokens=made))
             for gguf in ggufs if batch == 1 else ():
-                if progress:
-                    progress(f"context {context}, batch 1: llama.cpp, {gguf.name}")
-                cell.append(llama_cpp_row(model, gguf, ids[0].tolist(), new_tokens=new_tokens,
-                                          warmup=warmup, bandwidth=bandwidth))
+                for fa in flash_attn:
+                    if progress:
+                        progress(f"context {context}, batch 1: llama.cpp, {gguf.name}, flash "
+                                 f"attention {'on' if fa else 'off'}")
+                    cell.append(llama_cpp_row(model, gguf, ids[0].tolist(),
+                                              new_tokens=new_tokens, warmup=warmup,
+                                              bandwidth=bandwidth, flash_attn=fa))
             add_speedups(cell)
             rows.extend(cell)
             del prefix

@@ -56,6 +56,9 @@ def bench_cmd(
     gguf: Annotated[str | None, typer.Option(
         help="GGUF files of the same model for llama.cpp to decode at batch 1, comma-separated "
              "(packaged: the model's own)")] = None,
+    gguf_flash_attn: Annotated[str, typer.Option(
+        help="llama.cpp's flash attention: on, off, or on,off (a row each; which is faster on "
+             "a CPU depends on the context)")] = "on,off",
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option(
         help="write tokens/s against context (PNG); with sfi-exact in --modes (and sfi and "
@@ -72,8 +75,9 @@ def bench_cmd(
     from sfi.layout import WEIGHT_FORMATS
 
     format_list = name_list("--weights", weights, WEIGHT_FORMATS)
-    from sfi.bench.llama_cpp import gguf_files
+    from sfi.bench.llama_cpp import flash_attn_settings, gguf_files
 
+    flash_attn = flash_attn_settings(gguf_flash_attn)
     ggufs = gguf_files(model, name_list("--gguf", gguf, None) if gguf else [])
     if max_new_tokens < 1:
         raise SFIError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -83,7 +87,7 @@ def bench_cmd(
         progress=say,
         contexts=context_list, batches=batch_list, new_tokens=max_new_tokens,
         config=config or SFIConfig(), modes=mode_list, synthetic_kv=synthetic_kv,
-        memory_limit=int(memory_limit_gb * 1e9), ggufs=ggufs)
+        memory_limit=int(memory_limit_gb * 1e9), ggufs=ggufs, flash_attn=flash_attn)
     result["model"] = model
     if plot is not None:
         plot_throughput(result, str(plot))
