@@ -274,7 +274,7 @@ def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():
 
 def test_the_page_bound_is_its_definition_and_bounds_every_logit():
     from sfi.pages import page_bounds
-    from sfi.scorers.quest import page_scores
+    from sfi.scorers.quest import bound_scores
 
     for seed in range(20):
         g = torch.Generator().manual_seed(seed)
@@ -284,11 +284,11 @@ def test_the_page_bound_is_its_definition_and_bounds_every_logit():
         low, high = page_bounds(keys, 8)
         direct = torch.maximum(query[:, :, :, None] * low[:, :, None],
                                query[:, :, :, None] * high[:, :, None]).sum(-1)  # [B,H,G,P]
-        torch.testing.assert_close(page_scores(query, low, high), direct.sum(2), atol=1e-4,
+        torch.testing.assert_close(bound_scores(query, low, high), direct.sum(2), atol=1e-4,
                                    rtol=1e-5)
         # a query that carries gradients (a forward outside no_grad) is ranked the same
-        graded = page_scores(query.clone().requires_grad_(), low, high)
-        assert torch.equal(graded, page_scores(query, low, high)) and not graded.requires_grad
+        graded = bound_scores(query.clone().requires_grad_(), low, high)
+        assert torch.equal(graded, bound_scores(query, low, high)) and not graded.requires_grad
         logits = torch.matmul(query, keys.transpose(-1, -2))  # [B, H, G, T]
         pages = torch.arange(t) // 8
         for p in range(low.shape[2]):
@@ -344,3 +344,24 @@ def test_the_unheld_pages_kept_between_refreshes_are_those_of_each_step(monkeypa
                        period=5, coverage_threshold=1.0)
     run = lockstep(tiny_model("llama"), ids, config, steps=24, attention_mask=mask)
     assert ["slow", "slow"] in run.kinds and len(checked) > 20 and max(checked) > 0
+
+
+def test_the_evidence_bias_is_each_rows_own_causal_window():
+    """Both engines' evidence bias from one function: row b's last W queries end at
+    ``ends[b]``; each sees its row's keys from ``starts[b]`` up to itself, and nothing when it
+    lies outside the row's own window."""
+    from sfi.kernels import evidence_bias
+
+    ends, starts, windows = torch.tensor([9, 12, 12]), torch.tensor([0, 3, 0]), \
+        torch.tensor([3, 2, 3])
+    bias = evidence_bias(ends, 3, 12, starts=starts, windows=windows)
+    assert bias.shape == (3, 3, 12)
+    for b in range(3):
+        for j in range(3):
+            query = int(ends[b]) - 3 + j
+            for key in range(12):
+                seen = int(starts[b]) <= key <= query and j >= 3 - int(windows[b])
+                assert (bias[b, j, key] == 0) == seen, (b, j, key)
+    plain = evidence_bias(torch.tensor([5]), 2, 5)  # no starts, no windows: causal only
+    assert torch.equal(plain == 0, torch.arange(5)[None, None, :] <= torch.tensor([3, 4])[None, :,
+                                                                                          None])

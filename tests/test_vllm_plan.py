@@ -22,7 +22,7 @@ from sfi.vllm.paged import (
     BLOCKS,
     CHANNELS,
     DIM_MAJOR,
-    Refresh,
+    RequestRefresh,
     empty_like_cache,
     memory_positions,
     probe_layout,
@@ -286,7 +286,7 @@ def test_the_plugins_buffer_keeps_the_caches_physical_order():
 
 
 def select_one(scorer, memory, queries, keys, rule=None, previous=None):
-    refresh = Refresh(memory, queries, keys, previous)
+    refresh = RequestRefresh(memory, queries, keys, previous)
     return select_refreshes(scorer, rule or SelectionRule(), 0, [refresh], 0.25, None)[0]
 
 
@@ -315,12 +315,12 @@ def test_refreshes_selected_together_equal_each_alone(rule):
     scorer = make_scorer("sfi", SFIConfig(**SMALL))
     first = refresh_memory(50, 0, 2, 8, 12)
     pinned = replace(refresh_memory(70, 0, 2, 8, 12), pinned=3)
-    refreshes = [Refresh(first, torch.randn(4, 6, 16), torch.randn(3, 50, 16)),
-                 Refresh(refresh_memory(64, 0, 2, 8, 12), torch.randn(1, 6, 16),
+    refreshes = [RequestRefresh(first, torch.randn(4, 6, 16), torch.randn(3, 50, 16)),
+                 RequestRefresh(refresh_memory(64, 0, 2, 8, 12), torch.randn(1, 6, 16),
                          torch.randn(3, 64, 16)),
-                 Refresh(pinned, torch.randn(1, 6, 16), torch.randn(3, 70, 16),
+                 RequestRefresh(pinned, torch.randn(1, 6, 16), torch.randn(3, 70, 16),
                          previous=torch.arange(10, 22).expand(3, -1)),
-                 Refresh(refresh_memory(40, 0, 2, 8, 12), torch.randn(4, 6, 16),
+                 RequestRefresh(refresh_memory(40, 0, 2, 8, 12), torch.randn(4, 6, 16),
                          torch.randn(3, 40, 16))]
     together = select_refreshes(scorer, rule, 0, refreshes, 0.25, None)
     for refresh, chosen in zip(refreshes, together):

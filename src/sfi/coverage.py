@@ -31,6 +31,12 @@ from sfi.scorers.quest import box_scores
 DEFAULT_PAGE = 16
 
 
+def probe_page(config: Any) -> int:
+    """The page size of a configuration's coverage probes (its key boxes): its ``page_size``
+    where pages are on, else :data:`DEFAULT_PAGE`."""
+    return config.page_size if config.page_size > 1 else DEFAULT_PAGE
+
+
 def probe_layers(count: int, layer_ids: Sequence[int], dense_layers: int) -> tuple[int, ...]:
     """``count`` probe layers spread evenly over the slow-fast layers past the dense ones (at
     the centres of ``count`` equal parts)."""

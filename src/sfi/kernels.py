@@ -40,6 +40,24 @@ def causal_mask(total: int, queries: int, device: torch.device, first_query: int
     return allowed
 
 
+def evidence_bias(ends: torch.Tensor, w: int, total: int, starts: torch.Tensor | None = None,
+                  windows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n, W, T]`` additive bias of a selection's W evidence queries per row, both engines':
+    row b's queries are the positions ``ends[b] - W .. ends[b] - 1`` of its ``total`` keys
+    (``ends [n]``); query j sees the keys from ``starts[b]`` (its first real token; default 0)
+    up to itself, and none at all unless it is among the row's own last ``windows[b]``
+    queries (default: all W)."""
+    device = ends.device
+    key_pos = torch.arange(total, device=device)
+    query_pos = ends[:, None] - w + torch.arange(w, device=device)[None, :]  # [n, W]
+    allowed = key_pos[None, None, :] <= query_pos[:, :, None]
+    if starts is not None:
+        allowed = allowed & (key_pos[None, None, :] >= starts[:, None, None])
+    if windows is not None:
+        allowed = allowed & (query_pos >= (ends - windows)[:, None])[:, :, None]
+    return additive_bias(allowed)
+
+
 def window_logits(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scale: float,
                   softcap: float | None) -> torch.Tensor:
     """Logits of a window of queries over the whole cache, grouped by KV head: the evidence

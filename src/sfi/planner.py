@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from sfi.config import SFIConfig
-from sfi.coverage import DEFAULT_PAGE, probe_layers
-from sfi.kernels import additive_bias, causal_mask
+from sfi.coverage import probe_layers, probe_page
+from sfi.kernels import additive_bias, evidence_bias
 from sfi.rows import Rows
 from sfi.scorers import Scorer
 from sfi.selection import SelectionGroup, SelectionRule
@@ -285,7 +285,7 @@ class Planner:
             # a row already flagged refreshes as soon as its gap allows: probing it again
             # cannot change that
             if c.coverage_layers and not self.sequences[row].coverage_miss:
-                page = c.page_size if c.page_size > 1 else DEFAULT_PAGE
+                page = probe_page(c)
                 groups.setdefault((page, c.coverage_top, c.coverage_threshold), []).append(row)
         probes = []
         pads = [seq.pad for seq in self.sequences]
@@ -350,17 +350,14 @@ class Planner:
     @staticmethod
     def _evidence_bias(memories: Sequence[Memory], windows: Sequence[int], total: int,
                        device: torch.device) -> torch.Tensor:
-        """``[n, W, T]``: query j (at ``total - W + j``) of a row sees the keys from the row's
-        first real token up to itself, if it is among the row's own last W_b queries (a
-        padding query, or one outside the row's window, sees nothing: no evidence)."""
-        w = max(windows)
-        pads = torch.tensor([m.pad for m in memories], device=device)
-        allowed = causal_mask(total, w, device, pads=pads)
-        if min(windows) != w:
-            query_pos = torch.arange(total - w, total, device=device)
-            first = torch.tensor([total - wb for wb in windows], device=device)
-            allowed = allowed & (query_pos[None, :, None] >= first[:, None, None])
-        return additive_bias(allowed)
+        """``[n, W, T]``: the last W queries of every row (all end at ``total``), each seeing
+        the keys from the row's first real token up to itself, if it is among the row's own
+        last W_b queries (a padding query, or one outside the row's window, sees nothing:
+        no evidence)."""
+        n = len(memories)
+        return evidence_bias(torch.full((n,), total, device=device), max(windows), total,
+                             starts=torch.tensor([m.pad for m in memories], device=device),
+                             windows=torch.tensor(windows, device=device))
 
     def _plan_fast(self, rows: list[int], total: int, width: int,
                    device: torch.device) -> FastRows | None:

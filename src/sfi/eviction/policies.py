@@ -17,7 +17,7 @@ from sfi.errors import SFIError
 from sfi.eviction.layer import EvictionLayer
 from sfi.pages import page_bounds
 from sfi.scorers import Evidence
-from sfi.scorers.quest import page_scores
+from sfi.scorers.quest import bound_scores
 from sfi.scorers.snapkv import SnapKVScorer
 
 
@@ -191,7 +191,7 @@ class Quest(EvictionPolicy):
         if layer.layer_idx < self.dense_layers or t <= self.capacity:
             return None
         low, high = page_bounds(layer.keys, self.page)
-        scores = page_scores(query, low, high)  # [B, H, P]
+        scores = bound_scores(query, low, high)  # [B, H, P]
         scores[..., -1] = float("inf")
         pages = min(max(1, self.capacity // self.page), scores.shape[-1])
         chosen = torch.zeros_like(scores, dtype=torch.bool)

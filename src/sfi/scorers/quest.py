@@ -19,14 +19,14 @@ from sfi.pages import page_bounds, page_boxes, page_shift, pages_of
 from sfi.scorers import Evidence
 
 
-def page_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+def bound_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """``query [B, H, G, D]`` and page bounds ``[B, H, P, D]`` -> ``[B, H, P]``, the upper bound
     of q.k in each page summed over the G query heads (see :func:`box_scores`)."""
     return box_scores(query, page_boxes(low, high))
 
 
 def box_scores(query: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """:func:`page_scores` from the pages' ``boxes [B, H, P, 2 D]`` (:func:`sfi.pages.page_boxes`:
+    """:func:`bound_scores` from the pages' ``boxes [B, H, P, 2 D]`` (:func:`sfi.pages.page_boxes`:
     centre, then radius).
 
     ``max(q m, q M) = q (m + M) / 2 + |q| (M - m) / 2`` per channel, so the sum over the G
@@ -62,6 +62,6 @@ class QuestScorer:
         last = evidence.query.reshape(b, h, rows // w, w, d)[:, :, :, -1]  # [B, H, G, D]
         shift = page_shift(evidence.pads, self.page) if evidence.pads is not None else None
         low, high = page_bounds(evidence.keys, self.page, shift)
-        per_page = page_scores(last, low, high)  # [B, H, P]
+        per_page = bound_scores(last, low, high)  # [B, H, P]
         page_index = pages_of(evidence.keys.shape[-2], self.page, shift, b, per_page.device)
         return per_page.gather(-1, page_index[:, None, :].expand(b, h, -1))

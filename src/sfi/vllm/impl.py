@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sfi.coverage import DEFAULT_PAGE, misses, page_scores, top_pages, unheld_pages
+from sfi.coverage import misses, page_scores, probe_page, top_pages, unheld_pages
 from sfi.kernels import attention_logits
 from sfi.pages import page_bounds, page_boxes
 from sfi.scorers import key_norms_of
@@ -26,7 +26,7 @@ from sfi.selection import SelectionRule
 from sfi.vllm.metadata import SFIMetadata
 from sfi.vllm.paged import (
     CacheLayout,
-    Refresh,
+    RequestRefresh,
     empty_like_cache,
     memory_positions,
     probe_layout,
@@ -193,7 +193,8 @@ class SFIImpl:
                 record = self.records[plan.slot] = SlotRecord(plan.request)
             keys = read_prefix(cache_keys, block_row, end, layout.keys)
             record.norms = _key_norms(record.norms, keys)
-            refreshes.append(Refresh(plan.memory, queries, keys, record.selected, record.norms))
+            refreshes.append(RequestRefresh(plan.memory, queries, keys, record.selected,
+                                            record.norms))
             records.append(record)
         softcap = getattr(self, "logits_soft_cap", None) or None
         chosen = select_refreshes(requests.scorer, SelectionRule.of(requests.config),
@@ -206,7 +207,7 @@ class SFIImpl:
             record.selected = selected
             if probing:
                 record.coverage = _slot_coverage(record.coverage, keys, selected, memory,
-                                                 _probe_page(requests.config))
+                                                 probe_page(requests.config))
             positions = memory_positions(memory, selected, keys.shape[1])  # [H, L]
             heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
             first = plan.slot * per_slot * cache_keys.shape[2]
@@ -242,7 +243,7 @@ class SFIImpl:
             scores[i, :, : held.boxes.shape[2]] = page_scores(q[i: i + 1], held.boxes,
                                                              held.outside)[0]
         totals = torch.tensor([p.total for p in plans], device=q.device)  # each in its blocks
-        positions, real = top_pages(scores, page=_probe_page(c), top=c.coverage_top,
+        positions, real = top_pages(scores, page=probe_page(c), top=c.coverage_top,
                                     length=totals)
         rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
         chosen = read_positions(cache_keys, md.block_table.index_select(0, rows), positions,
@@ -252,11 +253,6 @@ class SFIImpl:
         # kept where the model runs (no wait for the device here); the next step's plan reads
         # every layer's flags in its one transfer
         requests.missed[md.fast_slot_index] |= found
-
-
-def _probe_page(config: Any) -> int:
-    """The page size of the coverage probes' key boxes (as the transformers path's planner)."""
-    return config.page_size if config.page_size > 1 else DEFAULT_PAGE
 
 
 def _key_norms(held: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sfi.kernels import additive_bias, attention_logits, window_logits
+from sfi.kernels import attention_logits, evidence_bias, window_logits
 from sfi.scorers import Scorer, make_evidence
 from sfi.selection import PreviousSelection, SelectionRule, previous_selection, select
 from sfi.sequence import Memory
@@ -202,7 +202,7 @@ def memory_positions(memory: Memory, selected: torch.Tensor, end: int) -> torch.
 
 
 @dataclass(frozen=True)
-class Refresh:
+class RequestRefresh:
     """One request's refresh at a step, as read from the paged cache.
 
     Attributes:
@@ -225,7 +225,7 @@ class Refresh:
 
 
 def select_refreshes(scorer: Scorer, rule: SelectionRule, layer_idx: int,
-                     refreshes: Sequence[Refresh], scale: float, softcap: float | None
+                     refreshes: Sequence[RequestRefresh], scale: float, softcap: float | None
                      ) -> list[torch.Tensor]:
     """The ``[H, k]`` slots (pinned ones first, each part in increasing position order) of every
     request that refreshes at a step: one :func:`sfi.selection.select` per number of evidence
@@ -260,7 +260,7 @@ def _padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
 
 
 def _select_group(scorer: Scorer, rule: SelectionRule, layer_idx: int,
-                  group: Sequence[Refresh], w: int, scale: float, softcap: float | None
+                  group: Sequence[RequestRefresh], w: int, scale: float, softcap: float | None
                   ) -> list[torch.Tensor]:
     """:func:`select_refreshes` for requests with the same number ``w`` of evidence queries."""
     n = len(group)
@@ -278,8 +278,7 @@ def _select_group(scorer: Scorer, rule: SelectionRule, layer_idx: int,
             logits = logits.masked_fill((key_pos >= end[:, None])[:, None, None, :],
                                         float("-inf"))
     else:  # the prompt's last W queries, each seeing the keys up to itself
-        query_pos = end[:, None] - w + torch.arange(w, device=device)[None, :]  # [n, W]
-        bias = additive_bias(key_pos[None, None, :] <= query_pos[:, :, None])  # [n, W, T]
+        bias = evidence_bias(end, w, t)  # [n, W, T]
         logits = window_logits(q, keys, bias, scale, softcap)  # [n, H, G * W, T]
     memories = [r.memory for r in group]
     lo = torch.tensor([m.sink_end for m in memories], device=device)
@@ -298,7 +297,7 @@ def _select_group(scorer: Scorer, rule: SelectionRule, layer_idx: int,
     return [slots[row, :, : m.k] for row, m in enumerate(memories)]
 
 
-def _previous(group: Sequence[Refresh], h: int, t: int, device: torch.device,
+def _previous(group: Sequence[RequestRefresh], h: int, t: int, device: torch.device,
               hysteresis: bool) -> PreviousSelection | None:
     """What the requests' replaced memories selected (for hysteresis and pins), or None."""
     if all(r.previous is None for r in group):
