@@ -58,6 +58,30 @@ def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method)
     assert compiled.compile_seconds > 0
 
 
+def test_a_compiled_step_writes_sliding_window_layers(smol_tokenizer):
+    """Layers that keep their own sliding window (transformers' layer, attended by SDPA in the
+    step's operator) are written by their own update inside the graph, as in an eager step."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(smol_tokenizer), hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=24,
+                           max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.sfi_tokenizer = smol_tokenizer
+    ids = torch.randint(5, 5000, (1, 40))
+    config = SFIConfig(trigger="fixed", period=4)
+    expected, eager_kinds = _decode(model, smol_tokenizer, "sfi", ids, config)
+    compile_decode(model)
+    try:
+        got, kinds = _decode(model, smol_tokenizer, "sfi", ids, config)
+    finally:
+        eager_decode(model)
+    assert kinds == eager_kinds
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_compiling_is_idempotent_and_undone(tiny_llama_with_tokenizer):
     model, _ = tiny_llama_with_tokenizer
     implementation = model.config._attn_implementation

@@ -317,11 +317,11 @@ def test_refreshes_selected_together_equal_each_alone(rule):
     pinned = replace(refresh_memory(70, 0, 2, 8, 12), pinned=3)
     refreshes = [RequestRefresh(first, torch.randn(4, 6, 16), torch.randn(3, 50, 16)),
                  RequestRefresh(refresh_memory(64, 0, 2, 8, 12), torch.randn(1, 6, 16),
-                         torch.randn(3, 64, 16)),
+                                torch.randn(3, 64, 16)),
                  RequestRefresh(pinned, torch.randn(1, 6, 16), torch.randn(3, 70, 16),
-                         previous=torch.arange(10, 22).expand(3, -1)),
+                                previous=torch.arange(10, 22).expand(3, -1)),
                  RequestRefresh(refresh_memory(40, 0, 2, 8, 12), torch.randn(4, 6, 16),
-                         torch.randn(3, 40, 16))]
+                                torch.randn(3, 40, 16))]
     together = select_refreshes(scorer, rule, 0, refreshes, 0.25, None)
     for refresh, chosen in zip(refreshes, together):
         alone = select_refreshes(scorer, rule, 0, [refresh], 0.25, None)[0]

@@ -65,13 +65,19 @@ class AttendingLayer:
 
 class WritesInAttention:
     """Mixin for the caches whose layers attend (:class:`AttendingLayer`): inside a compiled
-    step ``update`` writes nothing and returns the new position's ``[B, H, 1, D]``, which the
-    step's attention operator writes (:func:`attention_step`), so that the step stays one
-    graph; elsewhere transformers' ``update``."""
+    step ``update`` of such a layer writes nothing and returns the new position's
+    ``[B, H, 1, D]``, which the step's attention operator writes (:func:`attention_step`), so
+    that the step stays one graph; elsewhere (another layer, such as a sliding window's, or
+    an eager step) transformers' ``update``."""
+
+    def writes_in_attention(self, layer_idx: int) -> bool:
+        """Whether the attention operator writes layer ``layer_idx``'s new position (its cache
+        layer attends)."""
+        return hasattr(self.layers[layer_idx], "attend")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and self.writes_in_attention(layer_idx):
             return key_states, value_states
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

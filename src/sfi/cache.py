@@ -99,11 +99,16 @@ class SlowFastCache(WritesInAttention, Cache):
         self.attention = _attention_of(self.layers)
         self.planner = Planner(self._layer_ids)
 
+    def writes_in_attention(self, layer_idx: int) -> bool:
+        """Whether a compiled step's attention operator writes layer ``layer_idx`` (a slab
+        layer, which :class:`SlowFastAttention` attends)."""
+        return isinstance(self.layers[layer_idx], SlabLayer)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' write of layer ``layer_idx``: only inside a forward this cache
         planned (the routing hook plans each step of the model it was built with)."""
-        if isinstance(self.layers[layer_idx], SlabLayer) and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and isinstance(self.layers[layer_idx], SlabLayer):
             step = current_step()
             if step is None or step.layer(layer_idx) is not self.attention[layer_idx]:
                 raise SFIError(
@@ -341,8 +346,8 @@ class SlowFastCache(WritesInAttention, Cache):
             raise SFIError("keep supports models whose layers are all full attention")
         device = layers[0].device
         index = torch.tensor(rows, dtype=torch.long, device=device)
-        trim = self.planner.keep(rows)
         self.settle()
+        trim = self.planner.keep(rows)
         for layer in layers:
             layer.keep(index, trim)
         self._kinds = ()

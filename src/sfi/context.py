@@ -22,7 +22,10 @@ class StepContext:
     """One forward pass through a cache.
 
     Attributes:
-        layers: the cache's layers, indexed by the model's ``layer_idx``.
+        layers: what attends each layer, indexed by the model's ``layer_idx``: an
+            :class:`sfi.attention.AttendingLayer` (a slow-fast layer's attention, an eviction
+            layer), or None (or a layer without ``attend``) where the model's own attention
+            serves.
         plan: what the cache decided for this forward (a ``StepPlan`` for slow-fast caches).
         rebuilder: where slow steps' selections are computed (inline, or a CUDA side stream).
         lagged: per row, how many layers read densely although the row was planned fast (its

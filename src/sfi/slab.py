@@ -324,12 +324,13 @@ class SlabLayer(CacheLayerMixin):
                       positions: torch.Tensor, width: int) -> None:
         """Store the ``rows``' rebuilt compact entries: ``keys``/``values`` ``[n, H, W, D]``
         and their cache ``positions [n, H, W]`` in slots ``[0, W)`` of a buffer of at least
-        ``width`` slots."""
-        self.ensure_compact(width)
-        w = keys.shape[-2]
-        rows.put(self.compact_keys[:, :, :w], keys)
-        rows.put(self.compact_values[:, :, :w], values)
-        rows.put(self.compact_positions[:, :, :w], positions)
+        ``width`` slots (in the storage's own inference mode, whatever the caller's)."""
+        with self._storage_mode():
+            self.ensure_compact(width)
+            w = keys.shape[-2]
+            rows.put(self.compact_keys[:, :, :w], keys)
+            rows.put(self.compact_values[:, :, :w], values)
+            rows.put(self.compact_positions[:, :, :w], positions)
 
     def ensure_compact(self, width: int) -> None:
         """Allocate the compact buffer, or grow it to ``width`` slots (contents kept)."""

@@ -102,7 +102,6 @@ class StopChecker:
         return text
 
 
-
 class Outputs:
     """The new tokens of a batch's rows: one :class:`StopChecker` per row, and ``on_token(row,
     token_id)`` called for every token a row keeps (an end-of-sequence token is not kept)."""
