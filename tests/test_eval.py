@@ -12,7 +12,8 @@ from test_cli import run_cli, run_cli_here
 
 from sfi.config import SFIConfig
 from sfi.errors import SFIError
-from sfi.eval.report import markdown, merge_results, plot_all, summarize
+from sfi.eval.figures import plot_all
+from sfi.eval.report import markdown, merge_results, summarize
 from sfi.eval.runner import greedy_continue, parse_runs, run_eval
 from sfi.eval.stability import jaccard, support_stability
 from sfi.eval.tasks import make_sample
@@ -63,6 +64,50 @@ def test_eval_rows_summary_report_and_plots(tiny_llama_with_tokenizer, tmp_path)
     report = markdown(result, plots)
     assert ("| context | method | retention | niah | avg | 95% CI | vs full [95% CI] | top1 % | KL "
             "| ppl |") in report
+
+
+def test_generation_rows_read_each_text_with_full_attention(tiny_llama_with_tokenizer):
+    """Full attention's own text reads as itself (ratio 1, agreement 100%, no departure);
+    a covering SFI budget writes full attention's text; a small one reads like a text of its
+    own; the summary and the report give the generation table."""
+    from sfi.eval.runner import evaluate_sample
+    from sfi.eval.tasks import GENERATION_TOKENS, make_sample
+
+    model, tok = tiny_llama_with_tokenizer
+    rows = []
+    for index in range(2):
+        sample = make_sample("generation", tok, 300, seed=index)
+        assert sample.max_new_tokens == GENERATION_TOKENS and sample.answers == []
+        sample.max_new_tokens = 24
+        runs = [(parse_method("full"), 1.0), (parse_method("sfi"), 1.0),
+                (parse_method("sfi"), 0.2)]
+        rows += [r.to_dict() for r in evaluate_sample(model, tok, sample, index, runs,
+                                                      base=SFIConfig(force_sparse=True))]
+    by = {(r["method"], r["budget"], r["sample"]): r for r in rows}
+    for index in range(2):
+        full = by[("full", 1.0, index)]
+        assert full["ppl"] == full["ppl_full"] and full["top1"] == 1.0 and full["score"] == 100
+        assert "divergence" not in full and full["distinct"] == full["distinct_full"]
+        assert by[("sfi", 1.0, index)]["output"] == full["output"]  # the budget covers all
+        small = by[("sfi", 0.2, index)]
+        assert small["retention"] < 0.9 and 0 < small["top1"] <= 1
+    summary = summarize(rows)
+    entries = {e["label"]: e for e in summary}
+    assert entries["full"]["generation"]["ppl_ratio"] == 1.0
+    assert entries["full"]["generation"]["identical"] == 2
+    assert entries["full"]["average"] is None  # generation is not a retrieval task
+    result = {"model": "tiny", "tasks": ["generation"], "contexts": [300], "samples": 2,
+              "seed": 0, "summary": summary}
+    assert "| 300 | full | 100.0 | 1.000 " in markdown(result, [])
+
+
+def test_distinct_ngrams_and_first_divergence():
+    from sfi.eval.generation import distinct_ngrams, first_divergence
+
+    assert distinct_ngrams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(4 / 5)
+    assert distinct_ngrams([1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([5], [5]) is None
 
 
 @pytest.mark.parametrize("name", ["full", "sfi", "sfi+snapkv", "snapkv", "h2o", "tova", "quest"])
@@ -231,6 +276,23 @@ def test_bootstrap_intervals_cover_the_mean_and_pair_with_full():
     assert sfi_entry["delta_full_ci"][1] < 0  # it loses on the same samples, surely
     assert entries["full"]["average_ci"] == [100.0, 100.0] and "delta_full" not in entries["full"]
     assert bootstrap_interval({"passkey": {0: 50.0}}) is None  # one sample: no interval
+
+
+def test_long_answers_are_counted_item_by_item_against_full():
+    rows = []
+    for sample, (full, sfi) in enumerate([([True] * 6, [True] * 5 + [False]),
+                                          ([True] * 5 + [False], [True] * 6)]):
+        for method, items in (("full", full), ("sfi", sfi)):
+            rows.append({"task": "codes6", "context": 100, "method": method,
+                         "budget": 1.0 if method == "full" else 0.1, "retention": 1.0,
+                         "score": 100 * sum(items) / 6, "sample": sample, "items": items})
+    entries = {e["label"]: e for e in summarize(rows)}
+    assert entries["sfi@0.1"]["items"] == {"found": 11, "asked": 12, "lost_vs_full": 1,
+                                           "gained_vs_full": 1}
+    assert entries["full"]["items"] == {"found": 11, "asked": 12}
+    result = {"model": "m", "tasks": ["codes6"], "contexts": [100], "samples": 2, "seed": 0,
+              "summary": summarize(rows)}
+    assert "| 100 | sfi@0.1 | 11 / 12 | 1 | 1 |" in markdown(result, [])
 
 
 @pytest.mark.model

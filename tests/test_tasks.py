@@ -7,16 +7,18 @@ import pytest
 
 from sfi.errors import SFIError
 from sfi.eval.tasks import (
+    LIST_TASKS,
     NEEDLE_COUNT,
-    TASKS,
+    RETRIEVAL_TASKS,
     essay_ids,
+    found_in_order,
     make_sample,
     score,
     score_all,
     score_in_order,
 )
 
-RETRIEVAL = [t for t in TASKS if t != "fidelity"]
+RETRIEVAL = list(RETRIEVAL_TASKS)
 
 
 @pytest.mark.parametrize("task", RETRIEVAL)
@@ -25,7 +27,7 @@ def test_needles_once_answers_recoverable_length_on_target(task, smol_tokenizer)
     text = sample.text
     assert sample.target == 1500 and abs(sample.context - 1500) <= 30
     assert sample.prompt_ids == smol_tokenizer(text, add_special_tokens=False)["input_ids"]
-    expected = 1 if task in ("passkey", "niah") else NEEDLE_COUNT
+    expected = 1 if task in ("passkey", "niah") else LIST_TASKS.get(task, NEEDLE_COUNT)
     assert len(sample.needles) == len(sample.depths) == expected
     for needle in sample.needles:
         assert text.count(needle) == 1, needle
@@ -70,6 +72,36 @@ def test_sequential_asks_in_an_order_other_than_the_text(smol_tokenizer):
     values = {n.split(" the ")[1].split(" is ")[0]: n.rsplit(" ", 1)[1].rstrip(".")
               for n in sample.needles}
     assert sample.answers == [values[k] for k in by_question]
+
+
+@pytest.mark.parametrize("task", list(LIST_TASKS))
+def test_a_long_answer_task_asks_for_its_codes_in_its_own_order(task, smol_tokenizer):
+    count = LIST_TASKS[task]
+    sample = make_sample(task, smol_tokenizer, 1500, seed=3)
+    assert len(sample.needles) == count == len(sample.answers) == len(set(sample.answers))
+    assert sample.max_new_tokens == 16 * count and abs(sample.context - 1500) < 40
+    question = sample.text[sample.text.rindex("Give the secret codes"):]
+    values = {n.split(" the ")[1].split(" is ")[0]: n.rsplit(" ", 1)[1].rstrip(".")
+              for n in sample.needles}
+    assert sample.answers == [values[k] for k in sorted(values, key=question.index)]
+    for needle in sample.needles:
+        assert needle in sample.text
+    answer = " ".join(f"The code is {v}." for v in sample.answers[1:])  # the first one lost
+    assert score(task, answer, sample.answers) == pytest.approx(100 * (count - 1) / count)
+
+
+def test_generation_samples_are_essay_or_code_prompts(smol_tokenizer):
+    essay = make_sample("generation", smol_tokenizer, 600, seed=1)
+    code = make_sample("generation_code", smol_tokenizer, 600, seed=1)
+    assert len(essay.prompt_ids) == len(code.prompt_ids) == 600 and essay.answers == []
+    text = smol_tokenizer.decode(code.prompt_ids)
+    assert "def " in text or "class " in text or "import " in text
+    assert code.prompt_ids != make_sample("generation_code", smol_tokenizer, 600, 2).prompt_ids
+
+
+def test_found_in_order_says_which_items_came():
+    assert found_in_order("a 12, then 56, then 34", ["12", "34", "56"]) == [True, True, False]
+    assert found_in_order("", ["1"]) == [False]
 
 
 def test_fidelity_sample_is_a_contiguous_essay_slice(smol_tokenizer):

@@ -39,3 +39,25 @@ def essay(tokens: int, tokenizer: Any) -> str:
     if len(ids) < tokens:
         raise SFIError(f"the essays hold {len(ids)} tokens; {tokens} were asked for")
     return tokenizer.decode(ids[:tokens])
+
+
+#: the standard-library modules whose source is the code corpus: long, plain Python
+CODE_MODULES: tuple[str, ...] = (
+    "argparse", "ast", "calendar", "configparser", "dataclasses", "difflib", "enum",
+    "fractions", "functools", "inspect", "pathlib", "shutil", "statistics", "subprocess",
+    "tarfile", "textwrap", "typing", "zipfile")
+
+
+def python_sources() -> str:
+    """Real code for prompts: the source of :data:`CODE_MODULES` from this Python's standard
+    library, in that order, separated by blank lines (about 1.2 MB, 300K tokens; the text is
+    that of the running Python's version)."""
+    import sysconfig
+
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    missing = [m for m in CODE_MODULES if not (folder / f"{m}.py").is_file()]
+    if missing:
+        raise SFIError(f"this Python's standard library has no source for {', '.join(missing)} "
+                       f"(looked in {folder})")
+    return "\n\n".join((folder / f"{m}.py").read_text(encoding="utf-8").strip()
+                       for m in CODE_MODULES)

@@ -35,7 +35,9 @@ def eval_cmd(
     model: ModelOpt = "default",
     tasks: Annotated[str, typer.Option(
         show_default=False,
-        help="comma-separated, from: " + ALL_TASKS.replace(",", ", ") + " (default: all)")]
+        help="comma-separated, from: " + ALL_TASKS.replace(",", ", ") + "; the long-answer "
+             "tasks codes3, codes6, codes10 (N codes listed in a given order, scored item by "
+             "item) (default: all but those)")]
         = ALL_TASKS,
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] =
         "4096",
@@ -69,7 +71,8 @@ def eval_cmd(
 
     ``--set`` changes SFI's knobs other than the budget (which sets K and the recent window),
     on top of the defaults or of a method's preset."""
-    from sfi.eval.report import summarize, table_rows, write_report
+    from sfi.eval.figures import write_report
+    from sfi.eval.report import summarize, table_rows
     from sfi.eval.runner import parse_runs, run_eval
     from sfi.eval.tasks import TASKS
 
@@ -209,7 +212,8 @@ def report_cmd(
 
     A later run's row replaces an earlier one for the same task, context, sample, method and
     budget."""
-    from sfi.eval.report import merge_results, write_report
+    from sfi.eval.figures import write_report
+    from sfi.eval.report import merge_results
 
     loaded = []
     for path in results:

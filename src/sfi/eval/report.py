@@ -1,4 +1,5 @@
-"""Summaries, the markdown report and the plots of an evaluation (``sfi eval --out``)."""
+"""Summaries and the markdown report of an evaluation (``sfi eval --out``); its figures are
+:mod:`sfi.eval.figures`, and :func:`sfi.eval.figures.write_report` writes both."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from statistics import mean
 from typing import Any
 
 from sfi.errors import SFIError
-from sfi.eval.tasks import TASKS
+from sfi.eval.tasks import GENERATION_TASKS, LIST_TASKS, RETRIEVAL_TASKS, TASKS
 
 Row = dict[str, Any]
 
@@ -36,8 +37,9 @@ def label(row: Row) -> str:
 
 def summarize(rows: list[Row]) -> list[Row]:
     """One entry per (context, method, budget): mean score per task, the average over the
-    retrieval tasks (every task but fidelity), mean measured retention, the fidelity
-    metrics when that task ran, and exact mode's mean acceptance of its drafts."""
+    retrieval tasks, mean measured retention, the fidelity metrics when that task ran, the
+    generation metrics when one of those ran, and exact mode's mean acceptance of its
+    drafts."""
     groups: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
         groups[(row["context"], label(row))].append(row)
@@ -51,7 +53,7 @@ def summarize(rows: list[Row]) -> list[Row]:
             by_task[r["task"]].append(r["score"])
         entry["scores"] = {t: round(mean(v), 2) for t, v in by_task.items()}
         entry["samples"] = {t: len(v) for t, v in by_task.items()}
-        retrieval = [v for t, v in entry["scores"].items() if t != "fidelity"]
+        retrieval = [v for t, v in entry["scores"].items() if t in RETRIEVAL_TASKS]
         entry["average"] = round(mean(retrieval), 2) if retrieval else None
         if retrieval:
             entry["average_ci"] = bootstrap_interval(_per_task(members))
@@ -60,6 +62,9 @@ def summarize(rows: list[Row]) -> list[Row]:
             entry["kl"] = round(mean(r["kl"] for r in fidelity), 5)
             entry["top1"] = round(mean(r["top1"] for r in fidelity), 4)
             entry["ppl"] = round(mean(r["ppl"] for r in fidelity), 3)
+        generated = [r for r in members if r["task"] in GENERATION_TASKS]
+        if generated:
+            entry["generation"] = _generation_summary(generated)
         accepted = [r["acceptance"] for r in members if r.get("acceptance") is not None]
         if accepted:
             entry["acceptance"] = round(mean(accepted), 4)
@@ -68,7 +73,66 @@ def summarize(rows: list[Row]) -> list[Row]:
     for entry in out:
         entry["scores"] = dict(sorted(entry["scores"].items(), key=lambda kv: order[kv[0]]))
     _add_paired_differences(out, groups)
+    _add_items(out, groups)
     return sorted(out, key=_table_order)
+
+
+def _generation_summary(rows: list[Row]) -> Row:
+    """Free generation, over the samples (``sfi.eval.generation``): full attention's top-1
+    agreement with the text, its perplexity of the text over that of its own, the text's
+    distinct 4-grams over those of full attention's text (each mean with its bootstrap
+    interval over the samples), and the median position where the text first departs."""
+    def by_sample(value: Any) -> dict[str, dict[int, float]]:
+        out: dict[str, dict[int, float]] = defaultdict(dict)
+        for r in rows:
+            v = value(r)
+            if v is not None:
+                out[r["task"]][r["sample"]] = v
+        return out
+
+    ratios = by_sample(lambda r: r["ppl"] / r["ppl_full"])
+    distinct = by_sample(lambda r: None if not r.get("distinct_full") or r.get("distinct") is None
+                         else r["distinct"] / r["distinct_full"])
+    departs = sorted(r["divergence"] for r in rows if r.get("divergence") is not None)
+    summary: Row = {"top1": round(mean(r["top1"] for r in rows), 4),
+                    "ppl_ratio": round(_mean_of(ratios), 4),
+                    "ppl_ratio_ci": bootstrap_interval(ratios, digits=3),
+                    "samples": len(rows),
+                    "identical": sum(r.get("divergence") is None for r in rows),
+                    "divergence_median": departs[len(departs) // 2] if departs else None}
+    if any(distinct.values()):
+        summary["distinct_ratio"] = round(_mean_of(distinct), 4)
+        summary["distinct_ratio_ci"] = bootstrap_interval(distinct, digits=3)
+    return summary
+
+
+def _mean_of(values: dict[str, dict[int, float]]) -> float:
+    """The mean over tasks of each task's mean (as :func:`bootstrap_interval` resamples)."""
+    return mean(mean(v.values()) for v in values.values() if v)
+
+
+def _items(members: list[Row]) -> dict[tuple[str, int], list[bool]]:
+    """The list answers' items found, by (task, sample)."""
+    return {(r["task"], r["sample"]): r["items"] for r in members
+            if r["task"] in LIST_TASKS and r.get("items") is not None}
+
+
+def _add_items(entries: list[Row], groups: dict[tuple, list[Row]]) -> None:
+    """For the long-answer tasks: each entry's items found of those asked, and against full
+    attention on the same samples the items it lost (full found them, it did not) and
+    gained."""
+    for entry in entries:
+        mine = _items(groups[(entry["context"], entry["label"])])
+        if not mine:
+            continue
+        entry["items"] = {"found": sum(sum(v) for v in mine.values()),
+                          "asked": sum(len(v) for v in mine.values())}
+        full = _items(groups.get((entry["context"], "full"), []))
+        paired = [(a, b) for key, found in mine.items() if key in full
+                  for a, b in zip(found, full[key])]
+        if entry["label"] != "full" and paired:
+            entry["items"]["lost_vs_full"] = sum(b and not a for a, b in paired)
+            entry["items"]["gained_vs_full"] = sum(a and not b for a, b in paired)
 
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -78,13 +142,13 @@ def _per_task(members: list[Row]) -> dict[str, dict[int, float]]:
     """Retrieval scores by task, then by sample."""
     out: dict[str, dict[int, float]] = defaultdict(dict)
     for r in members:
-        if r["task"] != "fidelity":
+        if r["task"] in RETRIEVAL_TASKS:
             out[r["task"]][r["sample"]] = r["score"]
     return out
 
 
 def bootstrap_interval(scores: dict[str, dict[int, float]], level: float = 0.95,
-                       resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+                       resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0, digits: int = 2
                        ) -> list[float] | None:
     """Percentile bootstrap interval of the task average: each resample draws, within every
     task, as many samples as it has, with replacement (the tasks are fixed, the samples are
@@ -102,7 +166,7 @@ def bootstrap_interval(scores: dict[str, dict[int, float]], level: float = 0.95,
     means /= len(tasks)
     tail = (1 - level) / 2
     low, high = np.quantile(means, [tail, 1 - tail])
-    return [round(float(low), 2), round(float(high), 2)]
+    return [round(float(low), digits), round(float(high), digits)]
 
 
 def _add_paired_differences(entries: list[Row], groups: dict[tuple, list[Row]]) -> None:
@@ -135,7 +199,7 @@ def tasks_of(summary: list[Row]) -> list[str]:
 def table_rows(summary: list[Row]) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the task x method table."""
     tasks = tasks_of(summary)
-    retrieval = [t for t in tasks if t != "fidelity"]
+    retrieval = [t for t in tasks if t in RETRIEVAL_TASKS]
     header = ["context", "method", "retention", *retrieval]
     if retrieval:
         header += ["avg", "95% CI", "vs full [95% CI]"]
@@ -164,6 +228,10 @@ def _interval(bounds: list[float] | None) -> str:
     return "-" if bounds is None else f"[{bounds[0]:.1f}, {bounds[1]:.1f}]"
 
 
+def _interval3(bounds: list[float] | None) -> str:
+    return "" if bounds is None else f"[{bounds[0]:.3f}, {bounds[1]:.3f}]"
+
+
 def markdown(result: Row, plots: list[str]) -> str:
     """The report: what ran, the table, per-sample outputs' location, the plots."""
     header, cells = table_rows(result["summary"])
@@ -171,28 +239,47 @@ def markdown(result: Row, plots: list[str]) -> str:
              f"Tasks {', '.join(result['tasks'])}; contexts {result['contexts']}; "
              f"{result['samples']} sample(s) per task and context; seed {result['seed']}.",
              f"Command: `{result.get('command', 'sfi eval')}`", "",
-             "Scores are percentages (string match; `sequential` counts needles recalled in "
-             "the asked order; fidelity's score is top-1 agreement with full attention). "
-             "Retention is the measured mean fraction of the context each decode step read. "
-             "Intervals are 95% percentile bootstraps over the samples (resampled within each "
-             "task); `vs full` is the paired difference to full attention on the same "
+             "Scores are percentages (string match; `sequential` and `codesN` count needles "
+             "recalled in the asked order; fidelity's score is top-1 agreement with full "
+             "attention). Retention is the measured mean fraction of the context each decode step "
+             "read. Intervals are 95% percentile bootstraps over the samples (resampled within "
+             "each task); `vs full` is the paired difference to full attention on the same "
              "samples.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
+    generated = [e for e in result["summary"] if "generation" in e]
+    if generated:
+        lines += ["", "Free generation (the `generation` tasks: essays and Python code "
+                  "continued greedily): full attention's top-1 agreement with the method's "
+                  "text, its perplexity of that text over its perplexity of its own, the text's "
+                  "distinct 4-grams over those of full attention's text (below 1: more "
+                  "repetition), each with a 95% bootstrap interval over the samples, and where "
+                  "the text first departs from full attention's (median token; identical texts "
+                  "counted apart).", "",
+                  "| context | method | top1 % | ppl ratio | distinct-4 ratio | first departure "
+                  "| identical |", "|---|---|---|---|---|---|---|"]
+        for e in generated:
+            g = e["generation"]
+            lines.append(
+                f"| {e['context']} | {e['label']} | {100 * g['top1']:.1f} | "
+                f"{g['ppl_ratio']:.3f} {_interval3(g.get('ppl_ratio_ci'))} | "
+                + (f"{g['distinct_ratio']:.3f} {_interval3(g.get('distinct_ratio_ci'))}"
+                   if "distinct_ratio" in g else "-")
+                + f" | {'-' if g['divergence_median'] is None else g['divergence_median']} | "
+                f"{g['identical']} of {g['samples']} |")
+    listed = [e for e in result["summary"] if "items" in e]
+    if listed:
+        lines += ["", "Long answers (the `codesN` tasks), item by item: items found of those "
+                  "asked, and against full attention on the same samples the items lost (full "
+                  "attention found them) and gained.", "",
+                  "| context | method | items found | lost vs full | gained vs full |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {e['context']} | {e['label']} | {e['items']['found']} / "
+                  f"{e['items']['asked']} | {e['items'].get('lost_vs_full', '-')} | "
+                  f"{e['items'].get('gained_vs_full', '-')} |" for e in listed]
     lines += ["", "Per-sample rows, with each output, are in `results.json`.", ""]
     lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"
-
-
-def write_report(result: Row, folder: Path) -> None:
-    """``results.json`` first (so that nothing measured is lost), then the plots and
-    ``report.md``."""
-    import json
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    plots = plot_all(result, folder)
-    (folder / "report.md").write_text(markdown(result, plots), encoding="utf-8")
 
 
 def merge_results(results: list[Row]) -> Row:
@@ -222,131 +309,3 @@ def merge_results(results: list[Row]) -> Row:
     }
     merged["summary"] = summarize(rows)
     return merged
-
-
-def plot_all(result: Row, folder: Path) -> list[str]:
-    """Write every plot that the result has data for; return their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    paths = []
-    for fn in (plot_score_vs_budget, plot_niah_heatmaps, plot_fidelity_kl):
-        path = fn(result, folder)
-        if path is not None:
-            paths.append(path)
-    return paths
-
-
-def plot_score_vs_budget(result: Row, folder: Path) -> str | None:
-    """Task-average score against measured retention, one line per method and context."""
-    import matplotlib.pyplot as plt
-
-    summary = [e for e in result["summary"] if e["average"] is not None]
-    if not summary:
-        return None
-    fig, ax = plt.subplots(figsize=(11, 5))
-    lines: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
-    for e in summary:
-        lines[(e["method"], e["context"])].append((100 * e["retention"], e["average"]))
-    colours = plt.get_cmap("tab20").colors
-    markers = "os^Dv<>pP*Xh"
-    for i, ((method, context), points) in enumerate(sorted(lines.items())):
-        name = short_label(method)
-        name = f"{name} ({context})" if len(result["contexts"]) > 1 else name
-        points.sort()
-        if method == "full":
-            ax.axhline(points[0][1], color="black", linestyle="--", linewidth=1, label=name)
-            continue
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, marker=markers[i % len(markers)], label=name,
-                color=colours[(2 * i) % 20 + (i // 10) % 2],
-                linewidth=2.5 if method.startswith("sfi") else 1.2)
-    ax.set_xlabel("measured retention (% of the context read per decode step)")
-    ax.set_ylabel("task-average score (%)")
-    ax.set_title(f"{result['model']}: score against budget")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    path = folder / "score_vs_budget.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
-
-
-def plot_niah_heatmaps(result: Row, folder: Path) -> str | None:
-    """Single-needle NIAH score over depth x context, one panel per method@budget."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    rows = [r for r in result["rows"] if r["task"] == "niah"]
-    if not rows:
-        return None
-    names = list(dict.fromkeys(label(r) for r in rows))
-    depths = sorted({round(r["depth"], 3) for r in rows})
-    contexts = sorted({r["context"] for r in rows})
-    cols = min(4, len(names))
-    fig, axes = plt.subplots((len(names) + cols - 1) // cols, cols, squeeze=False,
-                             figsize=(3.2 * cols, 2.8 * ((len(names) + cols - 1) // cols)))
-    for ax in axes.flat[len(names):]:
-        ax.axis("off")
-    for ax, name in zip(axes.flat, names):
-        grid = np.full((len(depths), len(contexts)), np.nan)
-        for r in rows:
-            if label(r) == name:
-                grid[depths.index(round(r["depth"], 3)), contexts.index(r["context"])] = \
-                    r["score"]
-        ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-        ax.set_title(name, fontsize=9)
-        ax.set_xticks(range(len(contexts)), [str(c) for c in contexts], fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-        ax.set_xlabel("context", fontsize=8)
-        ax.set_ylabel("needle depth", fontsize=8)
-    fig.suptitle(f"{result['model']}: single-needle retrieval (green = found)")
-    fig.tight_layout()
-    path = folder / "niah_heatmap.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
-
-
-SMOOTHING = 16
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-    """Centred moving average (shorter windows at the ends)."""
-    half = window // 2
-    return [mean(values[max(0, i - half): i + half + 1]) for i in range(len(values))]
-
-
-def plot_fidelity_kl(result: Row, folder: Path) -> str | None:
-    """KL(full || method) along the teacher-forced continuation of the first fidelity sample,
-    SFI's slow steps marked."""
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if r["task"] == "fidelity" and r.get("kl_per_step")]
-    if not rows:
-        return None
-    first = rows[0]
-    rows = [r for r in rows if r["context"] == first["context"] and r["sample"] == first["sample"]]
-    context = first["context"]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for r in rows:
-        kl = _moving_average(r["kl_per_step"], SMOOTHING)
-        line, = ax.plot(range(len(kl)), kl, linewidth=1.8 if r["method"].startswith("sfi")
-                        else 0.9, label=f"{label(r)} (mean {r['kl']:.3f})")
-        slow = r.get("slow_step_indices") or []
-        if slow:
-            ax.scatter(slow, [kl[i] for i in slow], marker="v", s=22, color=line.get_color(),
-                       zorder=3)
-    ax.set_yscale("log")
-    ax.set_xlabel("continuation token (teacher-forced)")
-    ax.set_ylabel(f"KL(full || method), nats ({SMOOTHING}-token moving average)")
-    ax.set_title(f"{result['model']}: fidelity at {context} tokens of context "
-                 "(triangles: SFI slow steps)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = folder / "fidelity_kl.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)

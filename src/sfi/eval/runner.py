@@ -22,7 +22,16 @@ from sfi.config import SFIConfig
 from sfi.decode import continue_greedy
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
-from sfi.eval.tasks import TASKS, Sample, make_sample, score
+from sfi.eval.generation import GenerationScores, first_divergence, full_attention_scores
+from sfi.eval.tasks import (
+    GENERATION_TASKS,
+    LIST_TASKS,
+    TASKS,
+    Sample,
+    found_in_order,
+    make_sample,
+    score,
+)
 from sfi.exact import ExactDecoder
 from sfi.hf import eos_token_ids
 from sfi.methods import Method, budget_tokens, build_cache, parse_method
@@ -62,6 +71,10 @@ class EvalRow:
     kl_per_step: list[float] | None = None
     slow_step_indices: list[int] | None = None
     acceptance: float | None = None
+    items: list[bool] | None = None  # a list answer's items, each found in the asked order
+    distinct: float | None = None  # generation: distinct 4-grams of the text (of full's: _full)
+    distinct_full: float | None = None
+    divergence: int | None = None  # generation: where the text first departs from full's
     output: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +157,9 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
     if sample.task == "fidelity":
         return _fidelity_rows(model, tokenizer, sample, index, runs, ids, window, base, store,
                               overrides)
+    if sample.task in GENERATION_TASKS:
+        return _generation_rows(model, tokenizer, sample, index, runs, ids, window, base, store,
+                                overrides)
     if sample.context <= window:
         raise SFIError(f"a prompt of {sample.context} tokens is too short for a {window}-token "
                        "window")
@@ -168,7 +184,8 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
             score=score(sample.task, text, sample.answers), sample=index, depth=depth,
             fast_retention=None if fast_read is None else round(fast_read, 4),
             slow_steps=stats.slow_steps if stats is not None else None, output=text,
-            acceptance=round(stats.acceptance_rate, 4) if method.exact else None))
+            acceptance=round(stats.acceptance_rate, 4) if method.exact else None,
+            items=found_in_order(text, sample.answers) if sample.task in LIST_TASKS else None))
     return rows
 
 
@@ -205,6 +222,56 @@ def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index
             top1=round(result.top1, 6), ppl=round(result.ppl, 4), ppl_full=round(ppl_full, 4),
             kl_per_step=result.kl_per_step, slow_step_indices=result.slow_steps))
     return rows
+
+
+def _generation_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
+                     runs: list[tuple[Method, float]], ids: torch.Tensor,
+                     window: int, base: SFIConfig | None, store: Path | None,
+                     overrides: dict[str, Any] | None) -> list[EvalRow]:
+    """Every run continues the prompt greedily; full attention reads each text
+    (:mod:`sfi.eval.generation`) and its own, which it always writes as the reference."""
+    history = any(m.needs_history for m, _ in runs)
+    shared = SharedPrefill(model, ids[:, :-window], history=history, store=store)
+    eos = eos_token_ids(model, tokenizer)
+    full = parse_method("full")
+
+    def decode(method: Method, budget: float) -> tuple[list[int], DecodeCache]:
+        cache = build_cache(model, tokenizer, method, config=base, budget=budget,
+                            context=sample.context, overrides=overrides)
+        run = exact_continue if method.exact else greedy_continue
+        return run(model, cache, shared, ids, sample.max_new_tokens, eos), cache
+
+    reference, _ = decode(full, 1.0)
+    own = _read(model, shared, ids, reference)
+    rows = []
+    for method, budget in runs:
+        tokens, cache = (reference, None) if method.kind == "full" else decode(method, budget)
+        scores = own if method.kind == "full" else _read(model, shared, ids, tokens)
+        read, fast_read = cache.read_fraction() if cache is not None else (1.0, None)
+        stats = cache.stats() if method.kind == "sfi" else None
+        rows.append(EvalRow(
+            task=sample.task, context=sample.target, prompt_tokens=sample.context,
+            method=method.name, budget=budget, capacity=budget_tokens(budget, sample.context),
+            retention=1.0 if method.exact else round(read, 4),
+            score=round(100.0 * scores.top1, 3), sample=index,
+            fast_retention=None if fast_read is None or method.exact else round(fast_read, 4),
+            slow_steps=stats.slow_steps if stats is not None else None,
+            top1=round(scores.top1, 6), ppl=round(scores.ppl, 4), ppl_full=round(own.ppl, 4),
+            distinct=None if scores.distinct is None else round(scores.distinct, 4),
+            distinct_full=None if own.distinct is None else round(own.distinct, 4),
+            divergence=first_divergence(tokens, reference),
+            acceptance=round(stats.acceptance_rate, 4) if method.exact else None,
+            output=tokenizer.decode(tokens, skip_special_tokens=True)))
+    return rows
+
+
+def _read(model: torch.nn.Module, shared: SharedPrefill, ids: torch.Tensor,
+          tokens: list[int]) -> GenerationScores:
+    """Full attention's reading of ``tokens`` (a text that ended at once reads as nothing:
+    infinite perplexity, no agreement)."""
+    if not tokens:
+        return GenerationScores(ppl=float("inf"), top1=0.0, distinct=None)
+    return full_attention_scores(model, shared, ids, tokens)
 
 
 def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],

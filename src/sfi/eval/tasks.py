@@ -19,11 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from sfi.errors import SFIError
-from sfi.texts import essays
+from sfi.texts import essays, python_sources
 
-TASKS: tuple[str, ...] = ("passkey", "niah", "niah_multikey", "niah_multivalue",
-                          "niah_multiquery", "vt", "sequential", "fidelity")
+#: the long-answer tasks: ``codesN`` asks for N secret codes hidden in the text, in an order of
+#: its own, one sentence each (``sequential`` with more items), scored per item
+LIST_TASKS: dict[str, int] = {"codes3": 3, "codes6": 6, "codes10": 10}
+RETRIEVAL_TASKS: tuple[str, ...] = ("passkey", "niah", "niah_multikey", "niah_multivalue",
+                                    "niah_multiquery", "vt", "sequential", *LIST_TASKS)
+#: free generation after essay text or Python code, read by full attention
+#: (:mod:`sfi.eval.generation`)
+GENERATION_TASKS: tuple[str, ...] = ("generation", "generation_code")
+TASKS: tuple[str, ...] = (*RETRIEVAL_TASKS, *GENERATION_TASKS, "fidelity")
+GENERATION_TOKENS = 256  # what a generation sample decodes
 NEEDLE_COUNT = 4  # needles of the multi-needle tasks (keys, values, queries, hops, steps)
+ORDERED = ("sequential", *LIST_TASKS)  # tasks whose answers count only in the asked order
 
 
 @dataclass
@@ -68,19 +77,27 @@ def score_all(output: str, answers: list[str]) -> float:
     return 100.0 * sum(a.lower() in text for a in answers) / len(answers)
 
 
+def found_in_order(output: str, answers: list[str]) -> list[bool]:
+    """For each of ``answers``, whether ``output`` holds it after the previous one found
+    (case-insensitive): which items of a list answer came, in the asked order."""
+    text, cursor, found = output.lower(), 0, []
+    for answer in answers:
+        at = text.find(answer.lower(), cursor)
+        found.append(at >= 0)
+        if at >= 0:
+            cursor = at + len(answer)
+    return found
+
+
 def score_in_order(output: str, answers: list[str]) -> float:
     """Percent of ``answers`` found in ``output`` in the asked order: each must occur after the
     previous one that was found."""
-    text, cursor, found = output.lower(), 0, 0
-    for answer in answers:
-        at = text.find(answer.lower(), cursor)
-        if at >= 0:
-            found, cursor = found + 1, at + len(answer)
-    return 100.0 * found / len(answers)
+    return 100.0 * sum(found_in_order(output, answers)) / len(answers)
 
 
 def score(task: str, output: str, answers: list[str]) -> float:
-    return score_in_order(output, answers) if task == "sequential" else score_all(output, answers)
+    """A sample's score: :func:`score_in_order` for the ordered tasks, else :func:`score_all`."""
+    return score_in_order(output, answers) if task in ORDERED else score_all(output, answers)
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,6 +120,12 @@ def _essay_ids(tokenizer: Any) -> tuple[int, ...]:
 def essay_ids(tokenizer: Any) -> tuple[int, ...]:
     """The essays as token ids of ``tokenizer`` (tokenized once per tokenizer)."""
     return _essay_ids(tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def code_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The code corpus (:func:`sfi.texts.python_sources`) as token ids of ``tokenizer``."""
+    return tuple(tokenizer(python_sources(), add_special_tokens=False)["input_ids"])
 
 
 def _sentences(text: str) -> list[str]:
@@ -227,9 +250,19 @@ def _variable_tracking(rng: random.Random) -> _Spec:
 
 
 def _sequential(rng: random.Random) -> _Spec:
-    keys = _keys(rng, NEEDLE_COUNT)
-    values = [_number(rng, 4) for _ in keys]
-    order = rng.sample(range(NEEDLE_COUNT), NEEDLE_COUNT)
+    return _codes(rng, NEEDLE_COUNT, distinct=False)
+
+
+def _codes(rng: random.Random, count: int, distinct: bool = True) -> _Spec:
+    """``count`` secret codes hidden in the text, asked for in another order, one sentence
+    each (``sequential``, and the long-answer tasks of :data:`LIST_TASKS`, whose codes are
+    ``distinct``: an item found is then the item asked for)."""
+    keys = _keys(rng, count)
+    if distinct:
+        values = [str(v) for v in rng.sample(range(1000, 10000), count)]
+    else:
+        values = [_number(rng, 4) for _ in keys]
+    order = rng.sample(range(count), count)
     asked = [keys[i] for i in order]
     listed = ", ".join(asked[:-1]) + f" and {asked[-1]}"
     return _Spec("Some secret codes are hidden within the following text. Memorize them; I will "
@@ -237,13 +270,15 @@ def _sequential(rng: random.Random) -> _Spec:
                  [f"The secret code of the {k} is {v}." for k, v in zip(keys, values)],
                  f"Give the secret codes of the {listed}, in exactly this order, one sentence "
                  "for each code.",
-                 f"The secret code of the {asked[0]} is", [values[i] for i in order], 64)
+                 f"The secret code of the {asked[0]} is", [values[i] for i in order],
+                 16 * count)
 
 
 _SPECS: dict[str, Callable[[random.Random], _Spec]] = {
     "passkey": _passkey, "niah": _niah, "niah_multikey": _multikey,
     "niah_multivalue": _multivalue, "niah_multiquery": _multiquery, "vt": _variable_tracking,
     "sequential": _sequential,
+    **{task: functools.partial(_codes, count=count) for task, count in LIST_TASKS.items()},
 }
 
 
@@ -262,7 +297,7 @@ def _depths(task: str, rng: random.Random, depth: float | None) -> list[float]:
         return sorted(rng.uniform(0.05, 0.95) for _ in range(NEEDLE_COUNT))
     if task in ("passkey", "niah"):
         return [depth if depth is not None else rng.uniform(0.0, 1.0)]
-    return [rng.uniform(0.05, 0.95) for _ in range(NEEDLE_COUNT)]
+    return [rng.uniform(0.05, 0.95) for _ in range(LIST_TASKS.get(task, NEEDLE_COUNT))]
 
 
 def make_sample(task: str, tokenizer: Any, context: int, seed: int,
@@ -270,20 +305,25 @@ def make_sample(task: str, tokenizer: Any, context: int, seed: int,
     """One seeded sample of ``task`` whose prompt is about ``context`` tokens.
 
     ``depth`` places the single needle of ``passkey``/``niah`` (random when None); for
-    ``fidelity`` the prompt is ``context`` essay tokens followed by ``continuation`` more.
+    ``fidelity`` the prompt is ``context`` essay tokens followed by ``continuation`` more; for
+    the generation tasks it is ``context`` tokens of the essays (``generation``) or of Python
+    code (``generation_code``), to be continued for :data:`GENERATION_TOKENS` tokens.
     """
     if task not in TASKS:
         raise SFIError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise SFIError(f"depth must lie in [0, 1], got {depth}")
     rng = random.Random(f"{task}/{context}/{seed}")
-    if task == "fidelity":
-        ids = essay_ids(tokenizer)
-        total = context + continuation
+    if task == "fidelity" or task in GENERATION_TASKS:
+        ids = code_ids(tokenizer) if task == "generation_code" else essay_ids(tokenizer)
+        more = continuation if task == "fidelity" else 0
+        total = context + more
         if total >= len(ids):
-            raise SFIError(f"the essays hold {len(ids)} tokens; {total} were asked for")
+            held = "the code corpus holds" if task == "generation_code" else "the essays hold"
+            raise SFIError(f"{held} {len(ids)} tokens; {total} were asked for")
         start = rng.randrange(0, len(ids) - total)
-        return Sample(task, list(ids[start:start + total]), [], 0, continuation=continuation,
+        new = 0 if task == "fidelity" else GENERATION_TOKENS
+        return Sample(task, list(ids[start:start + total]), [], new, continuation=more,
                       target=context)
     spec = _SPECS[task](rng)
     depths = _depths(task, rng, depth)
