@@ -280,10 +280,9 @@ class SlowFastCache(WritesInAttention, Cache):
         """``[H, k]`` the positions selected for sequence ``row`` at layer ``layer_idx``."""
         layer = self.layers[layer_idx]
         memory = self.memory(row)
-        if not isinstance(layer, SlabLayer) or memory is None:
-            raise SFIError(f"layer {layer_idx} holds no selection for sequence {row}")
-        self.attention[layer_idx].settle(wait=True)
-        if layer.compact_positions is None:
+        if isinstance(layer, SlabLayer):
+            self.attention[layer_idx].settle(wait=True)
+        if not isinstance(layer, SlabLayer) or layer.compact_positions is None or memory is None:
             raise SFIError(f"layer {layer_idx} holds no selection for sequence {row}")
         return layer.compact_positions[row, :, memory.sink: memory.sink + memory.k]
 
@@ -307,7 +306,7 @@ class SlowFastCache(WritesInAttention, Cache):
         if not all(isinstance(layer, SlabLayer) for layer in (*self.layers, *other.layers)):
             raise SFIError("merge supports models whose layers are all full attention")
         for cache in (self, other):
-            cache.settle()
+            cache._settle_all()
         for mine, theirs in zip(self.layers, other.layers):
             mine.absorb(theirs, length, shifts, width)
         self.planner.shift(shifts[0])
@@ -346,7 +345,7 @@ class SlowFastCache(WritesInAttention, Cache):
             raise SFIError("keep supports models whose layers are all full attention")
         device = layers[0].device
         index = torch.tensor(rows, dtype=torch.long, device=device)
-        self.settle()
+        self._settle_all()
         trim = self.planner.keep(rows)
         for layer in layers:
             layer.keep(index, trim)
@@ -369,7 +368,7 @@ class SlowFastCache(WritesInAttention, Cache):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def settle(self) -> None:
+    def _settle_all(self) -> None:
         """Commit every layer's pending rebuild (waiting for it) and forget what the layers
         kept of the rows' memories: before the rows move (a join or a leave)."""
         for attention in self._attending():

@@ -44,9 +44,13 @@ class SlowFastAttention(AttendingLayer):
 
     def __init__(self, store: SlabLayer) -> None:
         self.store = store
-        self.layer_idx = store.layer_idx
         self.pending: StagedCompact | None = None
         self._unheld: tuple[tuple, torch.Tensor] | None = None  # a probe's, until a refresh
+
+    @property
+    def layer_idx(self) -> int:
+        """The model's index of the layer (its store's)."""
+        return self.store.layer_idx
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,25 +168,36 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
     eos = eos_token_ids(model, tokenizer)
     rows = []
     for method, budget in runs:
-        cache = build_cache(model, tokenizer, method, config=base, budget=budget,
-                            context=sample.context, overrides=overrides)
-        decode = exact_continue if method.exact else greedy_continue
-        tokens = decode(model, cache, shared, ids, sample.max_new_tokens, eos)
+        tokens, read = _continue(model, tokenizer, method, budget, sample, shared, ids, eos,
+                                 base, overrides)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        read, fast_read = cache.read_fraction()
-        stats = cache.stats() if method.kind == "sfi" else None
-        if method.exact:
-            read, fast_read = 1.0, None
         rows.append(EvalRow(
             task=sample.task, context=sample.target, prompt_tokens=sample.context,
             method=method.name, budget=budget,
-            capacity=budget_tokens(budget, sample.context), retention=round(read, 4),
+            capacity=budget_tokens(budget, sample.context),
             score=score(sample.task, text, sample.answers), sample=index, depth=depth,
-            fast_retention=None if fast_read is None else round(fast_read, 4),
-            slow_steps=stats.slow_steps if stats is not None else None, output=text,
-            acceptance=round(stats.acceptance_rate, 4) if method.exact else None,
+            output=text, **read,
             items=found_in_order(text, sample.answers) if sample.task in LIST_TASKS else None))
     return rows
+
+
+def _continue(model: torch.nn.Module, tokenizer: Any, method: Method, budget: float,
+              sample: Sample, shared: SharedPrefill, ids: torch.Tensor, eos: set[int],
+              base: SFIConfig | None, overrides: dict[str, Any] | None
+              ) -> tuple[list[int], dict[str, Any]]:
+    """One run's continuation of ``shared`` (greedy, or exact mode's) and what it read: the
+    row fields ``retention``, ``fast_retention``, ``slow_steps`` and ``acceptance``."""
+    cache = build_cache(model, tokenizer, method, config=base, budget=budget,
+                        context=sample.context, overrides=overrides)
+    run = exact_continue if method.exact else greedy_continue
+    tokens = run(model, cache, shared, ids, sample.max_new_tokens, eos)
+    read, fast_read = (1.0, None) if method.exact else cache.read_fraction()
+    stats = cache.stats() if method.kind == "sfi" else None
+    return tokens, {
+        "retention": round(read, 4),
+        "fast_retention": None if fast_read is None else round(fast_read, 4),
+        "slow_steps": stats.slow_steps if stats is not None else None,
+        "acceptance": round(stats.acceptance_rate, 4) if method.exact else None}
 
 
 def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
@@ -233,34 +244,26 @@ def _generation_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, ind
     history = any(m.needs_history for m, _ in runs)
     shared = SharedPrefill(model, ids[:, :-window], history=history, store=store)
     eos = eos_token_ids(model, tokenizer)
-    full = parse_method("full")
 
-    def decode(method: Method, budget: float) -> tuple[list[int], DecodeCache]:
-        cache = build_cache(model, tokenizer, method, config=base, budget=budget,
-                            context=sample.context, overrides=overrides)
-        run = exact_continue if method.exact else greedy_continue
-        return run(model, cache, shared, ids, sample.max_new_tokens, eos), cache
+    def run(method: Method, budget: float) -> tuple[list[int], dict[str, Any]]:
+        return _continue(model, tokenizer, method, budget, sample, shared, ids, eos, base,
+                         overrides)
 
-    reference, _ = decode(full, 1.0)
+    reference, reference_read = run(parse_method("full"), 1.0)
     own = _read(model, shared, ids, reference)
     rows = []
     for method, budget in runs:
-        tokens, cache = (reference, None) if method.kind == "full" else decode(method, budget)
-        scores = own if method.kind == "full" else _read(model, shared, ids, tokens)
-        read, fast_read = cache.read_fraction() if cache is not None else (1.0, None)
-        stats = cache.stats() if method.kind == "sfi" else None
+        full = method.kind == "full"
+        tokens, read = (reference, reference_read) if full else run(method, budget)
+        scores = own if full else _read(model, shared, ids, tokens)
         rows.append(EvalRow(
             task=sample.task, context=sample.target, prompt_tokens=sample.context,
             method=method.name, budget=budget, capacity=budget_tokens(budget, sample.context),
-            retention=1.0 if method.exact else round(read, 4),
-            score=round(100.0 * scores.top1, 3), sample=index,
-            fast_retention=None if fast_read is None or method.exact else round(fast_read, 4),
-            slow_steps=stats.slow_steps if stats is not None else None,
+            score=round(100.0 * scores.top1, 3), sample=index, **read,
             top1=round(scores.top1, 6), ppl=round(scores.ppl, 4), ppl_full=round(own.ppl, 4),
             distinct=None if scores.distinct is None else round(scores.distinct, 4),
             distinct_full=None if own.distinct is None else round(own.distinct, 4),
             divergence=first_divergence(tokens, reference),
-            acceptance=round(stats.acceptance_rate, 4) if method.exact else None,
             output=tokenizer.decode(tokens, skip_special_tokens=True)))
     return rows
 
