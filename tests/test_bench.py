@@ -41,13 +41,18 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
          "--batch", "1,2", "--max-new-tokens", "4", "--sink", "2", "--k-head", "8", "--recent", "8",
          "--evidence-window", "4", "--set", "min_skip=0", "--set",
          "min_gain=1", "--modes", ",".join(MODES), "--json",
-         "--plot", str(plot)],
+         "--plot", str(plot), "--log-rows", str(tmp_path / "rows.jsonl"),
+         "--prefill-cache", str(tmp_path / "prefills")],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["bandwidth_gb_s"] > 0 and out["skipped"] == []
     rows = out["rows"]
     assert len(rows) == 2 * 2 * len(MODES)
+    logged = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [(r["mode"], r["context"], r["batch"]) for r in logged] == \
+        [(r["mode"], r["context"], r["batch"]) for r in rows]  # as measured, before the end
+    assert len(list((tmp_path / "prefills").glob("*.pt"))) == 4  # one prefill per cell
     for row in rows:
         assert set(row) >= ROW_FIELDS
         assert row["decode_tok_s"] > 0 and row["floor_ms"] > 0
@@ -67,6 +72,22 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
     points = exact_points([out])  # one per cell: its fast/dense ratio against its speed-up
     assert len(points) == 4 and all(p["ratio"] > 0 and p["speedup"] > 0 for p in points)
     assert (tmp_path / "bench-exact.png").stat().st_size > 1000
+
+
+def test_bench_reads_a_kept_prefill_back(tmp_path, smol_tokenizer, monkeypatch):
+    model = tiny_model("llama", vocab_size=len(smol_tokenizer))
+    config = SFIConfig(sink=2, k_head=8, recent=8, evidence_window=4)
+    bench = dict(contexts=[48], batches=[2], new_tokens=2, modes=["full"], config=config,
+                 store=tmp_path)
+    first = run_bench(model, smol_tokenizer, **bench)
+    assert len(list(tmp_path.glob("*.pt"))) == 1
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("the kept prefill was computed again")
+
+    monkeypatch.setattr("sfi.prefix.prefix_kv", no_prefill)
+    again = run_bench(model, smol_tokenizer, **bench)
+    assert again["rows"][0]["mode"] == first["rows"][0]["mode"] == "full"
 
 
 def test_bench_refuses_exact_mode_on_synthetic_kv(smol_tokenizer):

@@ -312,10 +312,27 @@ def test_diagnose_reports_coverage_by_stage_and_captured_mass(default_model):
         assert len(m.captured) == len(m.captured_min) > 0
         assert all(0.0 <= low <= mean <= 1.0 for low, mean in zip(m.captured_min, m.captured))
         assert m.stats["slow_steps"] >= 0 and 0.0 < m.retention <= 1.0
+        assert len(m.step_kinds) == len(m.captured) and set(m.step_kinds) <= {"slow", "fast"}
+        assert list(m.held_at_answer) == [answer]
+        assert all(v is None or 0.0 <= v <= 1.0 for v in m.held_at_answer.values())
     # a budget covering the context holds every answer token at every stage
     whole = diagnose(model, tok, sample, 0, ["sfi:paper[recent=64,force_sparse=true]"],
                      2000).methods[0]
     assert whole.token_coverage["selected"] == 1.0 and min(whole.captured_min) > 0.999
+    assert all(v is None or v == 1.0 for v in whole.held_at_answer.values())
+
+
+def test_held_at_answer_reads_the_step_that_writes_the_answer(smol_tokenizer):
+    from sfi.eval.diagnose import _held_at_answer
+
+    tokens = smol_tokenizer("Codes: 4821, then 7710.", add_special_tokens=False)["input_ids"]
+    first = next(j for j in range(len(tokens))
+                 if "7" in smol_tokenizer.decode(tokens[: j + 1])[len("Codes: 4821, then"):])
+    by_step = [{"4821": 0.1 * step, "7710": 0.01 * step} for step in range(len(tokens) - 1)]
+    held = _held_at_answer(smol_tokenizer, tokens, {"4821": [3], "7710": [9], "5555": [1]},
+                           by_step)
+    assert held["7710"] == by_step[first - 1]["7710"]  # token j is written by step j - 1
+    assert held["5555"] is None  # full attention never wrote it
 
 
 @pytest.mark.model

@@ -96,3 +96,17 @@ def test_int8_is_refused_where_inductor_cannot_build(monkeypatch):
     monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
     with pytest.raises(SFIError, match=r"int8.*C\+\+ compiler"):
         prefer_decode_layout(tiny_model("llama"), "int8")
+
+
+@needs_int8
+@pytest.mark.parametrize("capability, slow", [("AVX2", True), ("AVX512", False),
+                                              ("AVX512_BF16", False)])
+def test_int8_on_a_cpu_without_avx512_says_it_is_slow(capability, slow, monkeypatch, caplog):
+    from sfi import notices
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(notices, "_said", set())
+    with caplog.at_level("WARNING", logger="sfi"):
+        prefer_decode_layout(tiny_model("llama"), "int8")
+    said = [r.getMessage() for r in caplog.records if "int8 weights" in r.getMessage()]
+    assert said == ([int8_linear.SLOW_INT8] if slow else [])

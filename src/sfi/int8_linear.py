@@ -12,6 +12,12 @@ decode step where the whole step is compiled (:mod:`sfi.compiled`).
 The loop converts each weight to fp32 once per row, so it is bound by arithmetic beyond one
 or two rows: up to :data:`REDUCE_ROWS` rows take it, more rows (a prefill chunk, teacher
 forcing) multiply dequantised blocks of the weight with ``F.linear``.
+
+The loop is fast only where the CPU has AVX-512 (:func:`int8_runs_fast`): with AVX2 alone
+inductor loads the int8 weights eight at a time through a partial-vector copy, and the product
+reads about 1.5 GB/s of weights (fp32's ``F.linear`` about 36 GB/s on the same CPU); neither
+packing four weights per int32 lane nor PyTorch's ``_weight_int8pack_mm`` passed 5.5 GB/s
+there. Loading int8 weights on such a CPU says so (:func:`warn_if_slow`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from sfi.cache_folder import use_sfi_inductor_cache
+from sfi.notices import notice_once
 
 #: rows a product takes through :func:`int8_product`; above, dequantised blocks and
 #: ``F.linear`` (faster from 16 rows up on a 4864 x 896 weight, on this project's EPYC)
@@ -31,6 +38,27 @@ REDUCE_ROWS = 16
 #: weights dequantised for ``F.linear`` in blocks of this many output rows (an fp32 block of
 #: a 151,936-row output layer would be 545 MB)
 DEQUANT_BLOCK = 8192
+
+
+#: what :func:`warn_if_slow` says on a CPU without AVX-512
+SLOW_INT8 = ("int8 weights decode several times slower than native ones on this CPU (no "
+             "AVX-512: the int8 product reads about 1.5 GB/s of weights here); use native or "
+             "bf16 weights")
+
+
+def int8_runs_fast() -> bool:
+    """Whether the compiled int8 product is fast on this CPU: PyTorch runs it with AVX-512
+    (on AVX2 alone it is several times slower than fp32; see the module)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def warn_if_slow() -> bool:
+    """Say (once, :func:`sfi.notices.notice_once`) that int8 weights decode slowly here
+    where they do; returns whether they do."""
+    if int8_runs_fast():
+        return False
+    notice_once(SLOW_INT8)
+    return True
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from sfi.errors import SFIError
-from sfi.int8_linear import Int8Linear
+from sfi.int8_linear import Int8Linear, warn_if_slow
 
 #: the batch size oneDNN packs weights for; 4 rows was as fast as 1 for one row and fastest
 #: from 2 to 8 rows (decode batches) on the EPYC, and no slower at 512 rows (prefill)
@@ -183,6 +183,8 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
                 changed += 1
     if packed:
         _own_memory(model)
+        if weights == "int8":
+            warn_if_slow()
     return changed + packed
 
 

@@ -41,7 +41,7 @@ from sfi.int8_linear import Int8Linear
 from sfi.layout import PackedLinear
 from sfi.methods import build_cache
 from sfi.prefill import prefill
-from sfi.prefix import prefix_kv
+from sfi.prefix import SharedPrefill, prefix_kv
 from sfi.stats import DecodeStats
 from sfi.steps import decode_one
 from sfi.triggers import COVERAGE
@@ -330,10 +330,17 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
               modes: Sequence[str] = MODES, synthetic_kv: bool = False,
               memory_limit: int | None = None, warmup: int = 2,
               ggufs: Sequence[Path] = (), flash_attn: Sequence[bool] = (True,),
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              weights: str = "native", store: Path | None = None,
+              progress: Callable[[str], None] | None = None,
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Measure every (mode, context, batch); returns ``{"rows": [...], "skipped": [...], ...}``.
     At batch 1 each GGUF in ``ggufs`` (the same model) also decodes the cell's token ids in
-    llama.cpp (:func:`llama_cpp_row`), once per ``flash_attn`` setting."""
+    llama.cpp (:func:`llama_cpp_row`), once per ``flash_attn`` setting.
+
+    Rows are named ``weights`` (the model's weight format) and handed to ``on_row`` as each
+    cell ends, so a long run that stops keeps what it measured. With ``store`` (a folder) each
+    cell's real prefill is kept on disk and read back by the next run of the same cell
+    (:class:`sfi.prefix.SharedPrefill`)."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SFIError(f"unknown bench mode(s) {', '.join(unknown)}; choose from "
@@ -362,7 +369,9 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
                 progress(f"context {context}, batch {batch}: "
                          f"{'synthetic KV' if synthetic_kv else 'prefill'}")
             ids = benchmark_ids(tokenizer, context, batch).to(next(model.parameters()).device)
-            prefix = prefix_kv(model, ids[:, :-config.evidence_window], synthetic_kv)
+            head = ids[:, :-config.evidence_window]
+            prefix = (prefix_kv(model, head, synthetic=True) if synthetic_kv
+                      else SharedPrefill(model, head, store=store).kv)
             cell: list[BenchRow] = []
             made: dict[str, torch.Tensor] = {}
             for mode in modes:
@@ -380,6 +389,11 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
                                               new_tokens=new_tokens, warmup=warmup,
                                               bandwidth=bandwidth, flash_attn=fa))
             add_speedups(cell)
+            for row in cell:
+                if not row.mode.startswith("llama.cpp"):  # those name their GGUF's weights
+                    row.weights = weights
+                if on_row:
+                    on_row(asdict(row))
             rows.extend(cell)
             del prefix
     return {
@@ -422,13 +436,10 @@ def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
         model, tokenizer = load_model(name)
         if reference is not None and ids is not None and name != "native":
             fidelity.append(weight_fidelity(name, reference, model, ids).to_dict())
-        one = run_bench(model, tokenizer, progress=progress,
+        one = run_bench(model, tokenizer, progress=progress, weights=name,
                         **{**bench, "ggufs": bench.get("ggufs", ()) if i == 0 else ()})
         compiled = compiled_forward(model)
         del model
-        for row in one["rows"]:
-            if not row["mode"].startswith("llama.cpp"):  # those name their GGUF's weights
-                row["weights"] = name
         rows.extend(one["rows"])
         if not result:
             result = one

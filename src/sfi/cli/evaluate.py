@@ -37,7 +37,9 @@ def eval_cmd(
         show_default=False,
         help="comma-separated, from: " + ALL_TASKS.replace(",", ", ") + "; the long-answer "
              "tasks codes3, codes6, codes10 (N codes listed in a given order, scored item by "
-             "item) (default: all but those)")]
+             "item); the free-generation tasks generation, generation_code (256 tokens "
+             "continuing an essay or Python source, judged by full attention's perplexity, "
+             "repetition and first divergence) (default: all but those two families)")]
         = ALL_TASKS,
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] =
         "4096",
@@ -199,6 +201,18 @@ def diagnose_cmd(
                    f"{sum(m.captured) / max(1, len(m.captured)):.3f}",
                    f"{min(m.captured_min, default=1.0):.3f}"] for m in result.methods),
                  wide=True)
+    if any(m.held_at_answer for m in result.methods):
+        print_table("each answer: held by the memory when full attention writes it (share of "
+                    "layer x KV head; - where the prompt's forward writes it or full never "
+                    "does), and whether the method's output has it",
+                    ["method", *result.answers],
+                    ([m.method, *(_held_cell(m.held_at_answer.get(a), a in m.output)
+                                  for a in result.answers)] for m in result.methods),
+                    wide=True)
+
+
+def _held_cell(share: float | None, found: bool) -> str:
+    return f"{'-' if share is None else f'{share:.0%}'} {'found' if found else 'LOST'}"
 
 
 def report_cmd(

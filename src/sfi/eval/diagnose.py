@@ -10,6 +10,10 @@ prefill, as in ``sfi eval``):
 - **captured mass**: feeding full attention's own answer token by token, the attention mass of
   full attention at each answer step that the SFI memory of that step (sinks, selected,
   recent window) holds, per layer, averaged over KV heads and query heads;
+- **answers held**: at the step that writes each answer in full attention's output (its first
+  token), the share of (layer, KV head) memories that hold all of the answer's prompt tokens
+  (1 on a slow step, which reads everything): for a list answer, which item the memory had
+  lost by the time it was asked for;
 - the method's own greedy answer and its score.
 """
 
@@ -71,7 +75,10 @@ class MethodDiagnosis:
     """One method on the sample. ``coverage[stage][answer]`` is the share of (layer, KV head)
     selections that hold the whole answer, ``token_coverage[stage]`` the share of answer tokens
     held over all (layer, KV head); ``captured[step]`` the mass held, mean over layers, and
-    ``captured_min[step]`` the lowest layer's."""
+    ``captured_min[step]`` the lowest layer's; ``held_at_answer[answer]`` the share of (layer, KV
+    head) memories holding the answer at the step that writes it in full attention's output
+    (None when the prompt's last forward writes it, or full attention never does), and
+    ``step_kinds[step]`` whether each of those steps was ``slow`` or ``fast``."""
 
     method: str
     output: str
@@ -81,6 +88,8 @@ class MethodDiagnosis:
     token_coverage: dict[str, float] = field(default_factory=dict)
     captured: list[float] = field(default_factory=list)
     captured_min: list[float] = field(default_factory=list)
+    held_at_answer: dict[str, float | None] = field(default_factory=dict)
+    step_kinds: list[str] = field(default_factory=list)
     layer_coverage: list[float] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     retention: float = 1.0
@@ -162,8 +171,10 @@ def diagnose(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
                                     retention=round(cache.read_fraction()[0], 4))
         diagnosis.coverage, diagnosis.token_coverage, diagnosis.layer_coverage = \
             _stage_coverage(model, tokenizer, method, budget, sample, shared, ids, spans)
-        diagnosis.captured, diagnosis.captured_min = _captured_mass(
-            model, tokenizer, method, budget, sample, shared, ids, full_tokens)
+        mass = _captured_mass(model, tokenizer, method, budget, sample, shared, ids,
+                              full_tokens, spans)
+        diagnosis.captured, diagnosis.captured_min, diagnosis.step_kinds = mass[:3]
+        diagnosis.held_at_answer = _held_at_answer(tokenizer, full_tokens, spans, mass[3])
         result.methods.append(diagnosis)
     return result
 
@@ -197,33 +208,61 @@ def _stage_coverage(model, tokenizer, method, budget, sample, shared, ids, spans
     return coverage, token_coverage, per_layer
 
 
-def _captured_mass(model, tokenizer, method, budget, sample, shared, ids, full_tokens):
+def _captured_mass(model, tokenizer, method, budget, sample, shared, ids, full_tokens, spans):
     """Per answer step (full attention's own answer fed to both), the mass of full attention
     that the SFI memory holds (all of it on a slow step): mean over layers, and the lowest
-    layer."""
+    layer; the step's kind; and per answer the share of (layer, KV head) memories holding all
+    of its ``spans`` tokens."""
     sfi_cache = build_cache(model, tokenizer, method, budget=budget, context=sample.context)
     held: list[float] = []
+    answers: dict[str, list[float]] = {answer: [] for answer in spans}
 
     def observe(layer, attention: torch.Tensor) -> None:
         mass = attention[0].float()  # [H, G, T]
         if "slow" in sfi_cache.step_kinds():
             held.append(1.0)
+            for shares in answers.values():
+                shares.append(1.0)
             return
         mask = _memory_mask(sfi_cache, layer.layer_idx, mass.shape[-1]).to(mass.device)
         held.append(float(((mass * mask[:, None, :]).sum(-1) / mass.sum(-1)).mean()))
+        for answer, span in spans.items():
+            answers[answer].append(float(mask[:, span].all(-1).float().mean()))
 
     full = EvictionCache(model, policy=None, observer=observe)
     for cache in (sfi_cache, full):
         shared.load(cache)
         prefill(model, cache, ids[:, shared.length:], start=shared.length)
     total = ids.shape[1]
-    captured, lowest = [], []
+    captured, lowest, kinds = [], [], []
+    by_step: list[dict[str, float]] = []
     for step, token in enumerate(full_tokens[:-1]):
         position = torch.tensor([total + step], device=ids.device)
         token_t = torch.tensor([token], device=ids.device)
         decode_one(model, sfi_cache, token_t, position)  # the SFI memory of this step
+        kinds.append("slow" if "slow" in sfi_cache.step_kinds() else "fast")
         held.clear()
+        for shares in answers.values():
+            shares.clear()
         decode_one(model, full, token_t, position)  # full attention, observed against it
         captured.append(round(sum(held) / len(held), 4))
         lowest.append(round(min(held), 4))
-    return captured, lowest
+        by_step.append({a: round(sum(v) / len(v), 4) for a, v in answers.items() if v})
+    return captured, lowest, kinds, by_step
+
+
+def _held_at_answer(tokenizer: Any, full_tokens: list[int], spans: dict[str, list[int]],
+                    by_step: list[dict[str, float]]) -> dict[str, float | None]:
+    """Per answer, its share in ``by_step`` at the step that writes its first token in full
+    attention's output: token ``j`` is written by step ``j - 1`` (token 0 by the prompt's
+    last forward, which reads densely: None, as for an answer full attention never writes)."""
+    text = tokenizer.decode(full_tokens, skip_special_tokens=True)
+    held: dict[str, float | None] = {}
+    for answer in spans:
+        start = text.find(answer)
+        first = next((j for j in range(len(full_tokens)) if start >= 0 and len(
+            tokenizer.decode(full_tokens[: j + 1], skip_special_tokens=True)) > start), None)
+        step = None if first is None or first == 0 else first - 1
+        held[answer] = None if step is None or step >= len(by_step) else \
+            by_step[step].get(answer)
+    return held
