@@ -110,3 +110,19 @@ def test_int8_on_a_cpu_without_avx512_says_it_is_slow(capability, slow, monkeypa
         prefer_decode_layout(tiny_model("llama"), "int8")
     said = [r.getMessage() for r in caplog.records if "int8 weights" in r.getMessage()]
     assert said == ([int8_linear.SLOW_INT8] if slow else [])
+
+
+def test_a_format_this_cpu_cannot_run_is_refused_before_the_bench_loads(monkeypatch):
+    from test_cli import run_cli_here
+
+    from sfi import models
+
+    monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: weights == "native")
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(layout.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    result = run_cli_here("bench", "--weights", "native,bf16", "--contexts", "64")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "weights='bf16' needs oneDNN's bfloat16 products, which this CPU (PyTorch " \
+           "reports AVX2) does not run" in " ".join(result.stderr.split())

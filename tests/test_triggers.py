@@ -76,6 +76,43 @@ def test_sentence_trigger_fires_on_the_first_token_of_each_new_sentence(tokenize
 
 
 @pytest.mark.parametrize("tokenizer_name", ["smol_tokenizer", "qwen_tokenizer"])
+def test_sentence_step_end_fires_on_the_first_ender_of_each_boundary(tokenizer_name, request):
+    tok = request.getfixturevalue(tokenizer_name)
+    classes = token_classes(tok)
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    fired = _fires(SentenceTrigger(classes, refresh_interval=10_000, min_refresh_gap=0,
+                                   at_end=True), ids)
+    positions = [i for i, _ in fired]
+    starts = _expected_sentence_starts(tok, ids)
+    # every boundary that starts a sentence, and the text's last one when its last token is an
+    # ender (Qwen's "！"; SmolLM2 splits it into bytes)
+    last = 1 if ids[-1] in classes.enders else 0
+    assert len(positions) == len(starts) + last == 5 + last
+    for end, start in zip(positions, starts):  # each boundary's first ender, before its start
+        assert "".join(tok.decode([ids[end]]).split()).endswith((".", "?", "!", "。", "！"))
+        assert end < start
+        assert tok.decode(ids[end + 1:start]).strip(" \n.?!。？！") == ""
+        assert end == 0 or ids[end - 1] not in classes.enders
+
+
+def test_sentence_step_is_checked_and_the_paper_keeps_start():
+    from sfi import SFIConfig
+    from sfi.errors import SFIConfigError
+    from sfi.triggers import make_trigger
+
+    assert SFIConfig.paper().sentence_step == "start"
+    assert make_trigger(SFIConfig(sentence_step="end"), token_classes_stub(), 0).at_end
+    with pytest.raises(SFIConfigError, match="sentence_step must be one of start, end"):
+        SFIConfig(sentence_step="middle")
+
+
+def token_classes_stub():
+    from sfi.triggers import TokenClasses
+
+    return TokenClasses(frozenset({1}), frozenset({2}))
+
+
+@pytest.mark.parametrize("tokenizer_name", ["smol_tokenizer", "qwen_tokenizer"])
 def test_enders_come_from_the_vocabulary(tokenizer_name, request):
     tok = request.getfixturevalue(tokenizer_name)
     classes = token_classes(tok)

@@ -15,6 +15,8 @@ from sfi.errors import SFIConfigError
 
 TriggerPolicy = Literal["sentence", "fixed", "random", "bootstrap"]
 TRIGGER_POLICIES: tuple[str, ...] = ("sentence", "fixed", "random", "bootstrap")
+SentenceStep = Literal["start", "end"]
+SENTENCE_STEPS: tuple[str, ...] = ("start", "end")
 PoolMode = Literal["max", "avg"]
 POOL_MODES: tuple[str, ...] = ("max", "avg")
 
@@ -111,6 +113,11 @@ class SFIConfig:
     """Reuse budget: a refresh is forced after this many steps since the last one."""
     min_refresh_gap: int = 16
     """Sentence triggers closer than this many steps to the last refresh are ignored."""
+    sentence_step: SentenceStep = "start"
+    """Which step of a sentence boundary is slow: ``start`` (the paper's: the step whose input
+    is the new sentence's first token, which a fast step has produced already) or ``end``
+    (the step whose input is the sentence ender: the new sentence's first token comes from
+    the dense step, and the refresh's evidence ends with the sentence)."""
     period: int = 32
     """Steps between refreshes of the ``fixed`` trigger."""
     random_period_min: int = 16
@@ -221,6 +228,9 @@ class SFIConfig:
             )
         _require_int("refresh_interval", self.refresh_interval, 1)
         _require_int("min_refresh_gap", self.min_refresh_gap, 0)
+        if self.sentence_step not in SENTENCE_STEPS:
+            raise SFIConfigError(f"sentence_step must be one of {', '.join(SENTENCE_STEPS)}; "
+                                 f"got {self.sentence_step!r}")
         _require_int("period", self.period, 1)
         _require_int("random_period_min", self.random_period_min, 1)
         _require_int("random_period_max", self.random_period_max, 1)
@@ -340,7 +350,8 @@ def _with_budget(values: dict[str, Any], changes: dict[str, Any]) -> dict[str, A
 # whatever the library's defaults become.
 PAPER_PRESET: dict[str, Any] = dict(
     sink=4, recent=256, k_head=2048, k_fraction=None, evidence_window=16, trigger="sentence",
-    refresh_interval=96, min_refresh_gap=16, alpha=0.5, gamma=0.5, w_norm=1.0, w_pos=0.7,
+    refresh_interval=96, min_refresh_gap=16, sentence_step="start", alpha=0.5, gamma=0.5,
+    w_norm=1.0, w_pos=0.7,
     pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
     nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
     exclusivity_min_heads=3, pool_kernel=1, page_size=1, pin_fraction=0.0, hysteresis=0.0,

@@ -146,6 +146,23 @@ def format_runs(weights: str, dtype: torch.dtype) -> bool:
                                                       atol=tolerance * 10, rtol=tolerance))
 
 
+def require_format(weights: str, dtype: torch.dtype = torch.float32) -> None:
+    """Raise :class:`SFIError` naming what ``weights`` needs when it does not run here for a
+    model in ``dtype`` (:func:`format_runs`); a command checks this before it loads anything."""
+    if weights == "native" or format_runs(weights, dtype):
+        return
+    if weights == "int8":
+        needs = "torch.compile's inductor with a working C++ compiler"
+    elif weights == "bf16" and platform.machine().lower() in ("x86_64", "amd64") and \
+            torch.backends.mkldnn.is_available():
+        needs = (f"oneDNN's bfloat16 products, which this CPU (PyTorch reports "
+                 f"{torch.backends.cpu.get_cpu_capability()}) does not run")
+    else:
+        needs = "an x86 CPU and a PyTorch built with oneDNN"
+    raise SFIError(f"weights={weights!r} needs {needs}; it does not run here for {dtype} "
+                   "weights (use weights='native')")
+
+
 def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int:
     """Give every CPU ``nn.Linear`` of ``model`` the layout that decodes fastest here.
 
@@ -174,11 +191,7 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
                 setattr(parent, name, replaced)
                 packed += 1
             elif weights != "native":
-                needs = ("torch.compile's inductor with a working C++ compiler"
-                         if weights == "int8"
-                         else "an x86 CPU and a PyTorch built with oneDNN")
-                raise SFIError(f"weights={weights!r} needs {needs}; it does not run here for "
-                               f"{module.weight.dtype} weights (use weights='native')")
+                require_format(weights, module.weight.dtype)
             elif _transpose_wide(module, id(module.weight) in shared):
                 changed += 1
     if packed:

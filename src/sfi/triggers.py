@@ -3,7 +3,9 @@
 A sentence ender is a token whose text, with whitespace removed, ends in one of
 ``. ? ! 。 ？ ！`` (merged forms such as ``.\\n`` count; commas, colons, semicolons and bare
 newlines do not). The slow step runs on the first token of the next sentence: the first input
-token after an ender that is neither an ender nor whitespace-only. A sentence trigger within
+token after an ender that is neither an ender nor whitespace-only (the paper's); or, with
+``sentence_step="end"``, on the ender itself, the first of a run of enders (so that the dense
+step writes the next sentence's first token). A sentence trigger within
 ``min_refresh_gap`` steps of the last refresh is ignored; ``refresh_interval`` steps after the
 last refresh a refresh is forced. Fixed-period, seeded random-period and bootstrap-only policies
 exist for ablations.
@@ -92,6 +94,7 @@ class SentenceTrigger:
     classes: TokenClasses
     refresh_interval: int = 96
     min_refresh_gap: int = 16
+    at_end: bool = False  # ``sentence_step="end"``: the ender's step is slow
     pending_boundary: bool = False
 
     def _starts_sentence(self, token_id: int) -> bool:
@@ -99,8 +102,14 @@ class SentenceTrigger:
         return (self.pending_boundary and token_id not in self.classes.enders
                 and token_id not in self.classes.whitespace)
 
+    def _boundary(self, token_id: int) -> bool:
+        """Whether the step whose input is ``token_id`` is the boundary's slow step."""
+        if self.at_end:  # the first ender of a run
+            return token_id in self.classes.enders and not self.pending_boundary
+        return self._starts_sentence(token_id)
+
     def decide(self, token_id: int, steps_since_refresh: int) -> str | None:
-        if self._starts_sentence(token_id) and steps_since_refresh >= self.min_refresh_gap:
+        if self._boundary(token_id) and steps_since_refresh >= self.min_refresh_gap:
             return SENTENCE
         if steps_since_refresh >= self.refresh_interval:
             return INTERVAL
@@ -163,7 +172,8 @@ def make_trigger(config: SFIConfig, classes: TokenClasses | None, row: int) -> R
     if config.trigger == "sentence":
         if classes is None:
             raise ValueError("the sentence trigger needs the tokenizer's vocabulary")
-        return SentenceTrigger(classes, config.refresh_interval, config.min_refresh_gap)
+        return SentenceTrigger(classes, config.refresh_interval, config.min_refresh_gap,
+                               at_end=config.sentence_step == "end")
     if config.trigger == "fixed":
         return FixedPeriodTrigger(config.period)
     if config.trigger == "random":

@@ -81,6 +81,10 @@ def bench_cmd(
     from sfi.layout import WEIGHT_FORMATS
 
     format_list = name_list("--weights", weights, WEIGHT_FORMATS)
+    from sfi.layout import require_format
+
+    for name in format_list:  # before any model loads (the CPU decides, not the model)
+        require_format(name)
     from sfi.bench.llama_cpp import flash_attn_settings, gguf_files
 
     flash_attn = flash_attn_settings(gguf_flash_attn)
