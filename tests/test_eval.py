@@ -257,6 +257,24 @@ def test_a_stored_prefill_is_read_back_and_continues_the_same(tiny_llama_with_to
     assert other.length == ids.shape[1] - 31 and len(list(tmp_path.iterdir())) == 2
 
 
+@pytest.mark.parametrize("other", ["int8", "bf16"])
+def test_each_weight_format_keeps_its_own_prefill(other):
+    from conftest import tiny_model
+
+    from sfi.layout import format_runs, prefer_decode_layout
+    from sfi.prefix import prefill_key
+
+    if not (format_runs("native", torch.float32) and format_runs(other, torch.float32)):
+        pytest.skip(f"{other} does not run on this CPU")
+    ids = torch.arange(20)[None]
+    keys = []
+    for weights in ("native", "native", other):
+        model = tiny_model("llama")  # the same seeded weights each time
+        prefer_decode_layout(model, weights)
+        keys.append(prefill_key(model, ids))
+    assert keys[0] == keys[1] != keys[2]  # packed and int8 layers keep weights in buffers
+
+
 def test_bootstrap_intervals_cover_the_mean_and_pair_with_full():
     from sfi.eval.report import bootstrap_interval, summarize
 

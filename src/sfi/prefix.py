@@ -76,10 +76,14 @@ class SharedPrefill:
 
 
 def prefill_key(model: torch.nn.Module, ids: torch.Tensor) -> str:
-    """A name for the prefill of ``ids`` by ``model``: its source, size, dtype and the ids."""
-    param = next(model.parameters())
+    """A name for the prefill of ``ids`` by ``model``: its source, its tensors' sizes and
+    dtypes (buffers too: int8 and packed layers keep their weights there, so two weight
+    formats of one model differ) and the ids."""
+    tensors = [*model.parameters(), *model.buffers()]
+    sizes = sum(t.numel() for t in tensors)
+    dtypes = ",".join(sorted({str(t.dtype) for t in tensors}))
     identity = (f"{getattr(model.config, '_name_or_path', '')}|{type(model).__name__}|"
-                f"{sum(p.numel() for p in model.parameters())}|{param.dtype}|")
+                f"{sizes}|{dtypes}|")
     digest = hashlib.sha256(identity.encode())
     digest.update(ids.detach().cpu().to(torch.int64).numpy().tobytes())
     return digest.hexdigest()[:32]
