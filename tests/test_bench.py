@@ -13,6 +13,7 @@ from test_cli import run_cli_here
 
 from sfi import SFIConfig, SFIError, layout
 from sfi import load as sfi_load
+from sfi.bench.formats import run_weight_formats
 from sfi.bench.plots import exact_points
 from sfi.bench.throughput import (
     MODES,
@@ -20,7 +21,6 @@ from sfi.bench.throughput import (
     estimate_bytes,
     kv_bytes_per_entry,
     run_bench,
-    run_weight_formats,
     weight_bytes,
 )
 from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
@@ -192,6 +192,7 @@ def test_weight_formats_are_refused_by_name_where_they_cannot_run(monkeypatch):
     with pytest.raises(SFIError, match="unknown weight format 'fp8'"):
         prefer_decode_layout(model, "fp8")
     monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
+    monkeypatch.setattr(layout.platform, "machine", lambda: "aarch64")
     with pytest.raises(SFIError, match="weights='bf16' needs an x86 CPU"):
         prefer_decode_layout(model, "bf16")
     with pytest.raises(SFIError, match="needs device='cpu' and decode_layout=True"):

@@ -34,7 +34,8 @@ def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, synthetic: bool,
 
 
 class SharedPrefill:
-    """One real prefill of ``ids [1, T]``, continued by any number of caches.
+    """One real prefill of ``ids [B, T]`` (one prompt, or ``sfi bench``'s batch of B),
+    continued by any number of caches.
 
     With ``history`` it also keeps, per layer, the attention each key received from every
     prompt query ``[1, H, T]`` (what H2O's eviction starts from); that costs a second pass of

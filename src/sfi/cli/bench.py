@@ -72,8 +72,9 @@ def bench_cmd(
              "(NAME-exact.png)")] = None,
 ) -> None:
     """Decode throughput of SFI against full attention and the memory-bandwidth floor."""
+    from sfi.bench.formats import run_weight_formats
     from sfi.bench.plots import exact_points, plot_exact_speedup, plot_throughput
-    from sfi.bench.throughput import MODES, run_weight_formats
+    from sfi.bench.throughput import MODES
 
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
