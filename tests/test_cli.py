@@ -166,6 +166,17 @@ def test_generate_streams_the_text_it_prints(default_model):
 
 
 @pytest.mark.model
+def test_generate_says_when_an_instruction_needs_chat(default_model):
+    common = ["generate", "--prompt", "Write three short sentences about the sea.",
+              "--max-new-tokens", "12"]
+    plain = run_cli(*common)  # the instruction-tuned model ends a raw instruction at once
+    assert plain.returncode == 0 and "0 new" in plain.stderr, plain.stderr
+    assert "answers a question or an instruction with --chat" in " ".join(plain.stderr.split())
+    chat = run_cli(*common, "--chat")
+    assert chat.returncode == 0 and chat.stdout.strip() and "--chat" not in chat.stderr
+
+
+@pytest.mark.model
 def test_demo_prints_both_answers_and_the_speedup(default_model):
     result = run_cli("demo", "--context", "1500", "--seed", "0", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr

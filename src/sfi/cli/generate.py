@@ -17,6 +17,7 @@ from sfi.cli_options import (
     JsonOpt,
     ModelOpt,
     WeightsOpt,
+    note,
     old_spellings,
     sfi_options,
 )
@@ -167,6 +168,9 @@ def generate_cmd(
     if not stream:
         Console().print(result.text, markup=False, highlight=False)
     err.print(_summary(result, compile_seconds(loaded_model)))
+    if result.new_tokens == 0 and not chat and getattr(tokenizer, "chat_template", None):
+        note("the model ended the text at once; an instruction-tuned model answers a question "
+             "or an instruction with --chat")
 
 
 @sfi_options
