@@ -356,3 +356,12 @@ def test_the_demos_default_seed_is_the_demos_own():
     from sfi.demo import DEMO_SEED
 
     assert inspect.signature(demo_cmd).parameters["seed"].default == DEMO_SEED
+
+
+def test_tables_print_method_names_with_brackets(capsys):
+    from sfi.cli.common import print_table
+
+    print_table("t", ["method", "score"], [["sfi[recent=512]@0.15", 91.7], ["full", None]],
+                wide=True)
+    out = capsys.readouterr().out
+    assert "sfi[recent=512]@0.15" in out and "91.7" in out

@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from sfi.cli_options import name_list, note
 from sfi.errors import SFIError
@@ -69,12 +70,13 @@ def one_format(weights: str) -> str:
 
 def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]],
                 wide: bool = False) -> None:
-    """A rich table: the first column left-aligned, the others right-aligned."""
+    """A rich table: the first column left-aligned, the others right-aligned. Cells are plain
+    text, never markup (a method such as ``sfi[recent=512]`` keeps its brackets)."""
     table = Table(title=title)
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right", no_wrap=wide)
     for row in rows:
-        table.add_row(*("-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+        table.add_row(*(Text("-" if v is None else f"{v:g}" if isinstance(v, float) else str(v))
                         for v in row))
     console = Console()
     if wide:
