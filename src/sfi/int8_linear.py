@@ -42,8 +42,8 @@ DEQUANT_BLOCK = 8192
 
 #: what :func:`warn_if_slow` says on a CPU without AVX-512
 SLOW_INT8 = ("int8 weights decode several times slower than native ones on this CPU (no "
-             "AVX-512: the int8 product reads about 1.5 GB/s of weights here); use native or "
-             "bf16 weights")
+             "AVX-512: the int8 product reads about 1.5 GB/s of weights here); use native "
+             "weights")
 
 
 def int8_runs_fast() -> bool:
@@ -52,13 +52,11 @@ def int8_runs_fast() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def warn_if_slow() -> bool:
+def warn_if_slow() -> None:
     """Say (once, :func:`sfi.notices.notice_once`) that int8 weights decode slowly here
-    where they do; returns whether they do."""
-    if int8_runs_fast():
-        return False
-    notice_once(SLOW_INT8)
-    return True
+    where they do."""
+    if not int8_runs_fast():
+        notice_once(SLOW_INT8)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,11 +79,9 @@ def bench_cmd(
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
     mode_list = name_list("--modes", modes, MODES)
-    from sfi.layout import WEIGHT_FORMATS
+    from sfi.layout import WEIGHT_FORMATS, require_format
 
     format_list = name_list("--weights", weights, WEIGHT_FORMATS)
-    from sfi.layout import require_format
-
     for name in format_list:  # before any model loads (the CPU decides, not the model)
         require_format(name)
     from sfi.bench.llama_cpp import flash_attn_settings, gguf_files

@@ -167,7 +167,7 @@ def diagnose_cmd(
     Per Selector stage and (layer, KV head), whether the selection holds the answer's tokens;
     per answer step, the attention mass the memory holds."""
     from sfi.eval.diagnose import diagnose
-    from sfi.eval.tasks import TASKS, make_sample
+    from sfi.eval.tasks import TASKS, found_in_order, make_sample
     from sfi.methods import budget_tokens, parse_method
 
     if task not in TASKS or task == "fidelity":
@@ -204,10 +204,12 @@ def diagnose_cmd(
     if any(m.held_at_answer for m in result.methods):
         print_table("each answer: held by the memory when full attention writes it (share of "
                     "layer x KV head; - where the prompt's forward writes it or full never "
-                    "does), and whether the method's output has it",
+                    "does), and whether the method's output has it in the asked order",
                     ["method", *result.answers],
-                    ([m.method, *(_held_cell(m.held_at_answer.get(a), a in m.output)
-                                  for a in result.answers)] for m in result.methods),
+                    ([m.method, *(_held_cell(m.held_at_answer.get(a), found)
+                                  for a, found in zip(result.answers,
+                                                      found_in_order(m.output, result.answers)))]
+                     for m in result.methods),
                     wide=True)
 
 

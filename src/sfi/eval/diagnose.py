@@ -19,6 +19,7 @@ prefill, as in ``sfi eval``):
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -257,12 +258,13 @@ def _held_at_answer(tokenizer: Any, full_tokens: list[int], spans: dict[str, lis
     attention's output: token ``j`` is written by step ``j - 1`` (token 0 by the prompt's
     last forward, which reads densely: None, as for an answer full attention never writes)."""
     text = tokenizer.decode(full_tokens, skip_special_tokens=True)
+    ends = [len(tokenizer.decode(full_tokens[: j + 1], skip_special_tokens=True))
+            for j in range(len(full_tokens))]  # the text's length once token j is written
     held: dict[str, float | None] = {}
     for answer in spans:
         start = text.find(answer)
-        first = next((j for j in range(len(full_tokens)) if start >= 0 and len(
-            tokenizer.decode(full_tokens[: j + 1], skip_special_tokens=True)) > start), None)
-        step = None if first is None or first == 0 else first - 1
+        first = bisect.bisect_right(ends, start) if start >= 0 else None
+        step = None if not first else first - 1
         held[answer] = None if step is None or step >= len(by_step) else \
             by_step[step].get(answer)
     return held
