@@ -174,12 +174,10 @@ def module_state(path: Path) -> set[str]:
 KNOWN_MODULE_STATE = {
     # what the library said once per process (a notice is, by definition, process-wide)
     "sfi.notices": {"_said"},
-    # the vLLM plugin's process-wide configuration, request books, request serials and the
-    # model classes it replaced: still to move into an owner object the engine passes along
-    "sfi.vllm.settings": {"_ACTIVE"},
-    "sfi.vllm.metadata": {"_BOOKS"},
-    "sfi.vllm.requests": {"_SERIALS"},
-    "sfi.vllm.backend": {"_REPLACED"},
+    # the vLLM plugin's one owner of its state (the configuration in force and the request
+    # book made under it): vLLM constructs the builders and impls with no argument sfi
+    # controls, so they find it there, and pass what is below it along as arguments
+    "sfi.vllm.settings": {"_STATE"},
 }
 
 

@@ -157,15 +157,15 @@ def test_slots_of_finished_requests_are_reused():
     assert sorted(requests.requests) == [4, 6] and requests.requests[6].slot == 0
 
 
-def test_request_serials_are_never_reused_even_by_a_new_book():
-    """Layers keep per-slot state (coverage page bounds) told apart by request serial: a new
-    book (SFI reconfigured) reusing slot 0 must not pass for the old book's request."""
+def test_request_serials_are_never_reused_in_a_book():
+    """Layers keep per-slot state (selection, norms, coverage page bounds) told apart by
+    request serial: a new request in a slot must not pass for the one that held it before."""
     config = SFIConfig(**SMALL, trigger="fixed", period=50)
-    first, second = book(config, slots=1), book(config, slots=1)
-    first.plan([5], [40], [40])
-    second.plan([5], [40], [40])
-    assert first.requests[5].slot == second.requests[5].slot == 0
-    assert first.requests[5].serial != second.requests[5].serial
+    requests = book(config, slots=1)
+    requests.plan([5], [40], [40])
+    first = requests.requests[5].serial
+    requests.plan([5], [30], [30])  # key 5's request ended: its block starts a new one
+    assert requests.requests[5].slot == 0 and requests.requests[5].serial != first
 
 
 def test_the_plugins_slots_are_set_in_sfi_vllm():

@@ -99,3 +99,24 @@ def test_switching_sfi_on_under_full_cuda_graphs_is_refused(sfi_off):
     configure(SFIConfig(coverage_layers=0, trigger="fixed", period=8))
     with pytest.raises(RuntimeError, match=r"switched on .* before the engine starts"):
         builder.build(0, common)
+
+
+def test_slot_records_belong_to_the_book_that_planned_them():
+    """Serials count per book: a new configuration's book starts them again, so an impl's
+    per-slot records (selection, norms, page bounds) must not outlive the book."""
+    from sfi.scorers.registry import make_scorer
+    from sfi.vllm.impl import SFIImpl, SlotRecord
+    from sfi.vllm.requests import RequestBook, slot_capacity
+
+    config = SFIConfig(trigger="fixed", period=8, coverage_layers=0)
+    impl = SFIImpl()
+    step = Namespace(builder=Namespace(blocks_per_slot=lambda requests: 2))
+    cache, query = torch.zeros(4, 2, 16, 8), torch.zeros(3, 4, 4)
+    first, second = (RequestBook(config, 2, slot_capacity(config, 256),
+                                 make_scorer("sfi", config)) for _ in range(2))
+    impl._ensure_buffers(first, step, cache, query)
+    impl.records[0] = SlotRecord(request=0, selected=torch.zeros(2, 3, dtype=torch.long))
+    impl._ensure_buffers(first, step, cache, query)
+    assert 0 in impl.records  # the same book's next step keeps them
+    impl._ensure_buffers(second, step, cache, query)
+    assert impl.records == {}  # request 0 of the new book is not the old book's request 0

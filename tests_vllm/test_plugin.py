@@ -264,3 +264,27 @@ def test_what_sfi_cannot_run_under_is_refused_by_name():
         refuse_unsupported(engine(pipeline=2))
     with pytest.raises(RuntimeError, match="speculative decoding"):
         refuse_unsupported(engine(speculative=Config(method="ngram")))
+
+
+def test_uninstall_puts_the_stock_model_classes_back():
+    """install() replaces the registry's entries of the token architectures with recording
+    classes that keep the entry they replaced; uninstall() puts exactly those back."""
+    from vllm.model_executor.models import ModelRegistry
+
+    from sfi.vllm import backend
+
+    backend.install()
+    try:
+        entries = {arch: ModelRegistry.models[arch] for arch in backend.TOKEN_ARCHITECTURES
+                   if arch in ModelRegistry.models}
+        assert entries and all(hasattr(e.model_cls, backend.STOCK_ENTRY)
+                               for e in entries.values())
+        backend.install()  # a second install changes nothing
+        assert all(ModelRegistry.models[a] is e for a, e in entries.items())
+        backend.uninstall()
+        for arch, entry in entries.items():
+            stock = ModelRegistry.models[arch]
+            assert stock is getattr(entry.model_cls, backend.STOCK_ENTRY)
+            assert hasattr(stock, "module_name")  # vLLM's own lazy entry
+    finally:
+        backend.install()  # as the session's other tests expect it

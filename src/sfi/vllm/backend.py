@@ -61,7 +61,7 @@ def _attach_input_ids(model: Any, input_ids: torch.Tensor | None) -> None:
     running stock would silently ignore it."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    if active_config()[0] is None or not is_forward_context_available():
+    if active_config() is None or not is_forward_context_available():
         return
     if "_sfi_checked" not in model.__dict__:  # once per model: the backend does not change
         impls = {type(m.impl) for m in model.modules() if hasattr(m, "impl")}
@@ -80,18 +80,21 @@ def _attach_input_ids(model: Any, input_ids: torch.Tensor | None) -> None:
                 md.input_ids = input_ids
 
 
-def _recording(model_class: type) -> type:
-    """``model_class`` whose forward first hands its ``input_ids`` to the step's metadata."""
+STOCK_ENTRY = "_sfi_stock_entry"  # where a recording class keeps the registry entry it replaced
+
+
+def _recording(model_class: type, stock_entry: Any) -> type:
+    """``model_class`` whose forward first hands its ``input_ids`` to the step's metadata; it
+    keeps ``stock_entry``, the model registry's entry it replaces (what :func:`uninstall`
+    puts back)."""
 
     def forward(self: Any, input_ids: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
         _attach_input_ids(self, input_ids)
         return model_class.forward(self, input_ids, *args, **kwargs)
 
     return type(model_class.__name__, (model_class,), {"forward": forward,
-                                                       "__module__": __name__})
-
-
-_REPLACED: dict[str, Any] = {}  # the model registry's entries install() replaced, by name
+                                                       "__module__": __name__,
+                                                       STOCK_ENTRY: stock_entry})
 
 
 def _record_input_ids() -> None:
@@ -100,10 +103,9 @@ def _record_input_ids() -> None:
     for arch in TOKEN_ARCHITECTURES:
         entry = ModelRegistry.models.get(arch)
         if entry is None or not hasattr(entry, "module_name"):
-            continue  # unknown here, or already replaced by a plugin
+            continue  # unknown here, or already replaced (by sfi or another plugin)
         base = getattr(importlib.import_module(entry.module_name), entry.class_name)
-        _REPLACED.setdefault(arch, entry)
-        ModelRegistry.register_model(arch, _recording(base))
+        ModelRegistry.register_model(arch, _recording(base, entry))
 
 
 def uninstall() -> None:
@@ -117,8 +119,10 @@ def uninstall() -> None:
             member = AttentionBackendEnum[name]
             if member.is_overridden() and member.get_path().startswith(f"{__name__}."):
                 member.clear_override()
-    ModelRegistry.models.update(_REPLACED)
-    _REPLACED.clear()
+    for arch, entry in list(ModelRegistry.models.items()):
+        stock = getattr(getattr(entry, "model_cls", None), STOCK_ENTRY, None)
+        if stock is not None:  # one of the recording classes: its stock entry goes back
+            ModelRegistry.models[arch] = stock
     _forget_chosen_backends()
 
 

@@ -6,7 +6,8 @@ from its :class:`~sfi.vllm.metadata.SFIMetadata` argument; what it keeps between
 own (per layer): the buffer of fast memories (the cache's layout, written by the cache op), the
 prompt queries of each slot, and a :class:`SlotRecord` of the request that holds each slot (its
 last selection, what pins and hysteresis keep; its key norms, of which a refresh computes only
-the new positions; in probe layers, its page boxes).
+the new positions; in probe layers, its page boxes), kept for the request book that planned
+them (a new configuration's book starts new records).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class SFIImpl:
     buffer: torch.Tensor | None = None  # [slots * blocks, H, bs, 2 * D], the cache's layout
     prompt_queries: torch.Tensor | None = None  # [slots, W, Hq, D]
     records: dict[int, SlotRecord] | None = None  # per slot: its request's selection, norms
+    records_book: RequestBook | None = None  # the book whose requests ``records`` keeps
     layout: tuple[tuple[Any, ...], CacheLayout] | None = None  # (cache shape, its layout)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -159,8 +161,8 @@ class SFIImpl:
         shape = (requests.slots, requests.config.evidence_window, *query.shape[1:])
         if self.prompt_queries is None or self.prompt_queries.shape != shape:
             self.prompt_queries = query.new_zeros(shape)
-        if self.records is None:
-            self.records = {}
+        if self.records_book is not requests:  # a new configuration's book: new requests
+            self.records, self.records_book = {}, requests
 
     def _record_prompt_queries(self, md: SFIMetadata, query: torch.Tensor) -> None:
         """Keep each prompt chunk's last W queries (the first selection's evidence)."""

@@ -37,17 +37,14 @@ from sfi.vllm.requests import (
     blocks_per_slot,
     slot_capacity,
 )
-from sfi.vllm.settings import active_config, active_slots
+from sfi.vllm.settings import active_config, active_slots, plugin_state
 
 log = logging.getLogger(__name__)
-
-_BOOKS: dict[int, RequestBook] = {}  # the book of the configuration in force, by generation
-
 
 def book() -> RequestBook | None:
     """The request book of the configuration in force in this process (None until an SFI
     step ran under it, or with SFI off): what tests and benchmarks read."""
-    return _BOOKS.get(active_config()[1])
+    return plugin_state().book
 
 
 # The architectures whose model class sfi subclasses to record each step's input ids (the
@@ -121,12 +118,13 @@ def refuse_unsupported(vllm_config: Any) -> None:
 
 
 def _book_for(vllm_config: Any) -> RequestBook | None:
-    """The request book of the configuration in force (made at its first step), or None with
-    SFI off."""
-    config, generation = active_config()
+    """The request book of the configuration in force (made at its first step, and kept by
+    the plugin's state), or None with SFI off."""
+    state = plugin_state()
+    config = state.config
     if config is None:
         return None
-    if generation not in _BOOKS:
+    if state.book is None:
         refuse_unsupported(vllm_config)
         capacity = slot_capacity(config, vllm_config.model_config.max_model_len)
         classes = None
@@ -137,13 +135,12 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
             classes = token_classes(AutoTokenizer.from_pretrained(
                 model.tokenizer, revision=model.tokenizer_revision,
                 trust_remote_code=model.trust_remote_code))
-        _BOOKS.clear()  # a new configuration starts a new book
         text = vllm_config.model_config.hf_text_config
-        _BOOKS[generation] = RequestBook(
+        state.book = RequestBook(
             config, active_slots(vllm_config.scheduler_config.max_num_seqs), capacity,
             make_scorer("sfi", config), classes, text.num_hidden_layers,
             weight_positions(text))
-    return _BOOKS[generation]
+    return state.book
 
 
 def _query_tokens(starts: list[int], rows: list[int], device: torch.device) -> torch.Tensor:
@@ -317,7 +314,7 @@ class SFIBuilder:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if active_config()[0] is not None:  # SFI_VLLM set: refuse at engine start
+        if active_config() is not None:  # SFI_VLLM set: refuse at engine start
             refuse_unsupported(self.vllm_config)
 
     @classmethod
@@ -325,14 +322,14 @@ class SFIBuilder:
         """What vLLM may capture in CUDA graphs, asked once at engine start: the stock
         backend's own support when SFI is off then (the engine runs as stock, full graphs
         included), none with SFI on (the parts and memories change at every step)."""
-        if active_config()[0] is None:
+        if active_config() is None:
             return super().get_cudagraph_support(vllm_config, kv_cache_spec)  # type: ignore[misc]
         return AttentionCGSupport.NEVER
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Any:
         common = common_attn_metadata
-        if active_config()[0] is None or common.num_reqs == 0 or not self._full_attention():
+        if active_config() is None or common.num_reqs == 0 or not self._full_attention():
             return super().build(common_prefix_len, common, fast_build)
         if _full_graphs(self.vllm_config):
             raise RuntimeError(

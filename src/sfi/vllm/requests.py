@@ -55,8 +55,6 @@ from sfi.sequence import (
 )
 from sfi.triggers import BOOTSTRAP, TokenClasses, make_trigger
 
-_SERIALS = itertools.count()  # request serials, never reused in a process: per-slot state
-# that layers keep (coverage page bounds) is told apart by them, even across request books
 SELECT = "select"  # the first decode step after a prompt: select from it, then read fast
 CAPACITY = "capacity"
 NO_TOKEN = -1  # shown to a token-free trigger when the input token is not known
@@ -95,7 +93,8 @@ class RowPlan:
         record: prompt queries to record from this row (its last ``record`` query tokens).
         evidence: for ``select``, how many recorded prompt queries are evidence.
         reason: why a slow step refreshes.
-        request: which request (a serial number on this worker; -1 for untracked rows).
+        request: which request (a serial number in the book that planned it, never reused
+            there; -1 for untracked rows).
     """
 
     row: int
@@ -121,7 +120,7 @@ class RequestState:
     recorded: int = 0  # prompt queries recorded (at most W)
     length: int = 0  # entries its slot holds (0: no memory)
     seen: int = 0  # the last step it took part in
-    serial: int = -1  # which request this is, unique in the process (across books)
+    serial: int = -1  # which request this is, unique in its book
 
 
 @dataclass
@@ -173,6 +172,7 @@ class RequestBook:
         # the probes' misses since the last step's decisions, per slot, where the model runs
         # (a [slots] tensor the glue keeps, so that a probe never waits for the device)
         self.missed: Any = None
+        self._serials = itertools.count()  # the requests' serial numbers (:attr:`RowPlan.request`)
 
     # --- the step --------------------------------------------------------------------------
     def plan(self, keys: Sequence[int], query_lens: Sequence[int], seq_lens: Sequence[int],
@@ -219,7 +219,7 @@ class RequestBook:
                             trigger=make_trigger(c, self.classes, self.stats.requests),
                             scorer=self.scorer, dense_only=slot is None,
                             weight_positions=self.weight_positions)
-        state = RequestState(key=key, slot=slot, seq=seq, serial=next(_SERIALS))
+        state = RequestState(key=key, slot=slot, seq=seq, serial=next(self._serials))
         self.requests[key] = state
         self.stats.requests += 1
         return state

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sfi.config import SFIConfig, parse_overrides
 from sfi.errors import SFIConfigError
+
+if TYPE_CHECKING:
+    from sfi.vllm.requests import RequestBook
 
 ENV = "SFI_VLLM"
 DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries per layer)
@@ -48,26 +52,41 @@ def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
 
 
 @dataclass
-class _Active:
-    """The configuration in force in this process, and how many times one was set."""
+class PluginState:
+    """What the plugin holds in this process, the one owner of its state between steps.
+
+    vLLM constructs the metadata builders and attention impls itself, with no argument sfi
+    controls, so they find this object through :func:`plugin_state`; everything below it (the
+    book's requests, each impl's slot records) is passed along as arguments.
+
+    Attributes:
+        config: the configuration in force (``SFI_VLLM`` or :func:`configure`; None: stock).
+        slots: ``slots=N`` of that setting (None: :data:`DEFAULT_SLOTS`).
+        book: the request book made under ``config`` at its first step (None before that);
+            :func:`configure` starts a new one.
+    """
 
     config: SFIConfig | None = None
     slots: int | None = None
-    generation: int = 0
+    book: RequestBook | None = None
 
 
-_ACTIVE = _Active()
+_STATE = PluginState()
 
 
-def active_config() -> tuple[SFIConfig | None, int]:
-    """The configuration the plugin applies now (None: vLLM runs stock), and how many times
-    it was set (a new setting starts a new request book)."""
-    return _ACTIVE.config, _ACTIVE.generation
+def plugin_state() -> PluginState:
+    """The plugin's state in this process (see :class:`PluginState`)."""
+    return _STATE
+
+
+def active_config() -> SFIConfig | None:
+    """The configuration the plugin applies now (None: vLLM runs stock)."""
+    return _STATE.config
 
 
 def active_slots(max_num_seqs: int) -> int:
     """How many fast memories the plugin holds for an engine of ``max_num_seqs``."""
-    return min(max_num_seqs, _ACTIVE.slots or DEFAULT_SLOTS)
+    return min(max_num_seqs, _STATE.slots or DEFAULT_SLOTS)
 
 
 def configure(config: SFIConfig | None, slots: int | None = None) -> None:
@@ -76,5 +95,4 @@ def configure(config: SFIConfig | None, slots: int | None = None) -> None:
     ``slots``: see :func:`parse_settings`."""
     if slots is not None and slots < 1:
         raise SFIConfigError(f"slots must be >= 1, got {slots}")
-    _ACTIVE.config, _ACTIVE.slots = config, slots
-    _ACTIVE.generation += 1
+    _STATE.config, _STATE.slots, _STATE.book = config, slots, None
