@@ -108,6 +108,16 @@ def test_serve_refuses_bad_limits_before_loading_the_model(args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("batch, said", [("8", True), ("1", False)])
+def test_serve_says_fp16_weights_are_a_batch_one_format(batch, said):
+    from sfi.fp16_linear import BATCH_ONE
+
+    result = run_cli_here("serve", "--model", "no-such-model", "--weights", "fp16",
+                          "--max-batch", batch)
+    assert result.returncode != 0 and "no-such-model" in result.stderr  # noted before loading
+    assert (BATCH_ONE in " ".join(result.stderr.split())) == said
+
+
 def test_access_defaults_follow_the_listening_address():
     from sfi.server.guard import Access
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from sfi import int8_linear, layout
+from sfi import int8_linear, layout, reduction
 from sfi.int8_linear import Int8Linear, int8_product, quantize_rows
 from sfi.layout import prefer_decode_layout, weight_byte_ratio
 
@@ -33,10 +33,10 @@ def test_quantize_rows_is_within_half_a_step_per_channel():
 
 
 @needs_int8
-@pytest.mark.parametrize("rows", [1, 3, int8_linear.REDUCE_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, 3, reduction.REDUCE_ROWS + 5])
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_linear_equals_the_dequantised_product(rows, bias, monkeypatch):
-    monkeypatch.setattr(int8_linear, "DEQUANT_BLOCK", 16)  # several blocks at many rows
+    monkeypatch.setattr(reduction, "DEQUANT_BLOCK", 16)  # several blocks at many rows
     linear = _linear(40, 24, bias)
     layer = Int8Linear(linear)
     x = torch.randn(rows, 24)

@@ -1,17 +1,12 @@
 """Linear layers with int8 weights: symmetric per output channel, fp32 activations and sums.
 
-A one-token decode step multiplies a few rows by every weight matrix, so its time is the
-weights' bytes over the memory bandwidth: int8 weights are a quarter of fp32's. PyTorch's own
-int8 weight-only CPU kernel (``aten._weight_int8pack_mm``) and torchao's run slower than fp32
-on this project's CPUs (``docs/eval/weight-formats.md``), but inductor turns the plain
-expression of the product, ``(x[..., None, :] * w8.to(x.dtype)).sum(-1) * scale``, into one
-vectorised loop (AVX-512 or AVX2) that reads each weight byte once per row: that expression is
-the kernel (:func:`int8_product`), compiled here once per weight shape, or inlined into the
-decode step where the whole step is compiled (:mod:`sfi.compiled`).
-
-The loop converts each weight to fp32 once per row, so it is bound by arithmetic beyond one
-or two rows: up to :data:`REDUCE_ROWS` rows take it, more rows (a prefill chunk, teacher
-forcing) multiply dequantised blocks of the weight with ``F.linear``.
+A one-token decode step's time is its weights' bytes over the memory bandwidth: int8 weights
+are a quarter of fp32's. PyTorch's own int8 weight-only CPU kernel
+(``aten._weight_int8pack_mm``) and torchao's run slower than fp32 on this project's CPUs
+(``docs/eval/weight-formats.md``); the product written as a reduction,
+``(x[..., None, :] * w8.to(x.dtype)).sum(-1) * scale`` (:func:`int8_product`), is the kernel
+that inductor compiles (:mod:`sfi.reduction`: up to ``REDUCE_ROWS`` rows; more rows multiply
+dequantised blocks with ``F.linear``).
 
 The loop is fast only where the CPU has AVX-512 (:func:`int8_runs_fast`): with AVX2 alone
 inductor loads the int8 weights eight at a time through a partial-vector copy, and the product
@@ -22,23 +17,13 @@ there. Loading int8 weights on such a CPU says so (:func:`warn_if_slow`).
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from functools import cache
 
 import torch
-import torch.nn.functional as F
 
-from sfi.cache_folder import use_sfi_inductor_cache
 from sfi.notices import notice_once
-
-#: rows a product takes through :func:`int8_product`; above, dequantised blocks and
-#: ``F.linear`` (faster from 16 rows up on a 4864 x 896 weight, on this project's EPYC)
-REDUCE_ROWS = 16
-#: weights dequantised for ``F.linear`` in blocks of this many output rows (an fp32 block of
-#: a 151,936-row output layer would be 545 MB)
-DEQUANT_BLOCK = 8192
-
+from sfi.reduction import REDUCE_ROWS, blocked_linear, compiled_for_shape
 
 #: what :func:`warn_if_slow` says on a CPU without AVX-512
 SLOW_INT8 = ("int8 weights decode several times slower than native ones on this CPU (no "
@@ -78,17 +63,9 @@ def int8_product(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torc
 
 @cache
 def compiled_product(in_features: int, out_features: int) -> Callable[..., torch.Tensor]:
-    """:func:`int8_product` compiled for one weight shape.
-
-    Each shape gets its own copy of the function's code object: dynamo keeps its compiled
-    variants, and counts them against its recompile limit (8), per code object, so a model's
-    six or seven weight shapes, each at one row and at a dynamic number of rows, under
-    inference and no-grad modes, would otherwise run out of variants and fall back to eager.
-    """
-    use_sfi_inductor_cache()
-    code = int8_product.__code__.replace(co_name=f"int8_product_{out_features}x{in_features}")
-    function = types.FunctionType(code, int8_product.__globals__, code.co_name)
-    return torch.compile(function, dynamic=None)
+    """:func:`int8_product` compiled for one weight shape
+    (:func:`sfi.reduction.compiled_for_shape`)."""
+    return compiled_for_shape(int8_product, in_features, out_features)
 
 
 class Int8Linear(torch.nn.Module):
@@ -131,18 +108,9 @@ class Int8Linear(torch.nn.Module):
             product = int8_product if torch.compiler.is_compiling() else self._product
             y = product(x, self.w8, self.scale)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        return self._blocked_linear(x)
-
-    def _blocked_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows: ``F.linear`` with the weight dequantised :data:`DEQUANT_BLOCK` output
-        rows at a time."""
-        parts = []
-        for start in range(0, self.out_features, DEQUANT_BLOCK):
-            end = min(start + DEQUANT_BLOCK, self.out_features)
-            block = self.w8[start:end].to(x.dtype) * self.scale[start:end, None].to(x.dtype)
-            bias = None if self.bias is None else self.bias[start:end].to(x.dtype)
-            parts.append(F.linear(x, block, bias))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+        return blocked_linear(x, lambda start, end: self.w8[start:end].to(x.dtype)
+                                        * self.scale[start:end, None].to(x.dtype),
+                                        self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

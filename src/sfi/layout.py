@@ -26,6 +26,7 @@ from functools import cache
 import torch
 
 from sfi.errors import SFIError
+from sfi.fp16_linear import Fp16Linear, worth_storing
 from sfi.int8_linear import Int8Linear, warn_if_slow
 
 #: the batch size oneDNN packs weights for; 4 rows was as fast as 1 for one row and fastest
@@ -34,11 +35,16 @@ PACK_ROWS = 4
 
 #: weight formats of :func:`prefer_decode_layout`: ``native`` keeps the loaded dtype (the
 #: default, exact); ``bf16`` runs every linear layer's product in bfloat16 (inputs rounded,
-#: fp32 accumulation, oneDNN); ``int8`` stores every linear layer's weight as int8 per output
-#: channel (:class:`sfi.int8_linear.Int8Linear`: a quarter of fp32's bytes, products in the
-#: activations' dtype, a kernel that inductor compiles). Norms, embeddings, attention and the
-#: KV cache stay in the model's dtype. ``docs/eval/weight-formats.md`` measures each.
-WEIGHT_FORMATS = ("native", "bf16", "int8")
+#: fp32 accumulation, oneDNN); ``fp16`` stores every linear layer's weight in float16
+#: (:class:`sfi.fp16_linear.Fp16Linear`: half fp32's bytes, the activations and sums
+#: unrounded, a kernel that inductor compiles; any x86 CPU with AVX2); ``int8`` stores every
+#: linear layer's weight as int8 per output channel (:class:`sfi.int8_linear.Int8Linear`: a
+#: quarter of fp32's bytes, products in the activations' dtype, a kernel that inductor
+#: compiles, fast with AVX-512 only). Norms, embeddings, attention and the KV cache stay in
+#: the model's dtype. ``docs/eval/weight-formats.md`` measures each.
+WEIGHT_FORMATS = ("native", "bf16", "fp16", "int8")
+#: the formats whose products inductor compiles (:mod:`sfi.reduction`), by layer class
+REDUCED_FORMATS = {"fp16": Fp16Linear, "int8": Int8Linear}
 #: the formats :class:`PackedLinear` runs (oneDNN)
 PACKED_FORMATS = ("native", "bf16")
 
@@ -125,11 +131,12 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 def format_runs(weights: str, dtype: torch.dtype) -> bool:
     """Whether the layer of format ``weights`` runs here for a model in ``dtype`` and agrees
     with ``F.linear`` on a small product: :class:`PackedLinear` needs x86 and a PyTorch with
-    oneDNN, :class:`Int8Linear` a working inductor (a C++ compiler)."""
+    oneDNN, :class:`Int8Linear` and :class:`Fp16Linear` a working inductor (a C++
+    compiler)."""
     if weights in PACKED_FORMATS and (platform.machine().lower() not in ("x86_64", "amd64")
                                       or not torch.backends.mkldnn.is_available()):
         return False
-    layer = Int8Linear if weights == "int8" else (lambda linear: PackedLinear(linear, weights))
+    layer = REDUCED_FORMATS.get(weights) or (lambda linear: PackedLinear(linear, weights))
     try:
         generator = torch.Generator().manual_seed(0)  # the caller's random stream untouched
         linear = torch.nn.Linear(32, 48, device="meta", dtype=dtype).to_empty(device="cpu")
@@ -151,7 +158,7 @@ def require_format(weights: str, dtype: torch.dtype = torch.float32) -> None:
     model in ``dtype`` (:func:`format_runs`); a command checks this before it loads anything."""
     if weights == "native" or format_runs(weights, dtype):
         return
-    if weights == "int8":
+    if weights in REDUCED_FORMATS:
         needs = "torch.compile's inductor with a working C++ compiler"
     elif weights == "bf16" and platform.machine().lower() in ("x86_64", "amd64") and \
             torch.backends.mkldnn.is_available():
@@ -168,11 +175,11 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
 
     ``weights="native"``: with oneDNN (see :func:`format_runs`), each linear layer is replaced
     by a :class:`PackedLinear`; otherwise the weights with ``out_features >= in_features`` are
-    stored transposed (values and ``[out, in]`` shape unchanged, only the strides). ``bf16``
-    and ``int8`` (:data:`WEIGHT_FORMATS`) change the numbers, so they are asked for by name,
-    and refused where they cannot run. A weight shared with another module (tied embeddings) is
-    stored as a copy, so the embedding keeps its table. GPU weights are left alone (GPU GEMV
-    kernels are indifferent). Returns the number of layers changed.
+    stored transposed (values and ``[out, in]`` shape unchanged, only the strides). ``bf16``,
+    ``fp16`` and ``int8`` (:data:`WEIGHT_FORMATS`) change the numbers, so they are asked for by
+    name, and refused where they cannot run. A weight shared with another module (tied
+    embeddings) is stored as a copy, so the embedding keeps its table. GPU weights are left
+    alone (GPU GEMV kernels are indifferent). Returns the number of layers changed.
     """
     if weights not in WEIGHT_FORMATS:
         raise SFIError(f"unknown weight format {weights!r}; choose one of "
@@ -186,8 +193,7 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
             if module.weight.dim() != 2:
                 continue
             if format_runs(weights, module.weight.dtype):
-                replaced = (Int8Linear(module) if weights == "int8"
-                            else PackedLinear(module, weights))
+                replaced = _decode_layer(module, weights)
                 setattr(parent, name, replaced)
                 packed += 1
             elif weights != "native":
@@ -201,18 +207,28 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
     return changed + packed
 
 
+def _decode_layer(linear: torch.nn.Linear, weights: str) -> torch.nn.Module:
+    """The layer that runs ``linear`` in format ``weights``: fp16 stores only the weights
+    worth it (:func:`sfi.fp16_linear.worth_storing`) and packs the others natively."""
+    if weights == "fp16" and not worth_storing(linear.in_features, linear.out_features):
+        return PackedLinear(linear) if format_runs("native", linear.weight.dtype) else linear
+    reduced = REDUCED_FORMATS.get(weights)
+    return reduced(linear) if reduced else PackedLinear(linear, weights)
+
+
 def weight_byte_ratio(model: torch.nn.Module) -> float:
-    """Bytes a linear layer's weight element takes as stored (int8: 1, bf16: 2) over the bytes
-    of the model's dtype, the KV's: what scales the cost model's W
-    (:func:`sfi.cost_model.weight_positions`, counted at the KV's width) to the bytes a step
-    reads. 1.0 for native weights."""
+    """Bytes a linear layer's weight element takes as stored (int8: 1, bf16 and fp16: 2), on
+    average over the model's linear layers, over the bytes of the model's dtype, the KV's:
+    what scales the cost model's W (:func:`sfi.cost_model.weight_positions`, counted at the
+    KV's width) to the bytes a step reads. 1.0 for native weights."""
     dtype_bytes = next(model.parameters()).element_size()
+    stored = elements = 0
     for module in model.modules():
-        if isinstance(module, Int8Linear):
-            return 1 / dtype_bytes
-        if isinstance(module, PackedLinear) and module.format == "bf16":
-            return 2 / dtype_bytes
-    return 1.0
+        if isinstance(module, (Int8Linear, Fp16Linear, PackedLinear)):
+            width = {"int8": 1, "fp16": 2, "bf16": 2}.get(module.format, dtype_bytes)
+            count = module.in_features * module.out_features
+            stored, elements = stored + width * count, elements + count
+    return stored / (elements * dtype_bytes) if elements else 1.0
 
 
 def _own_memory(model: torch.nn.Module) -> None:

@@ -28,6 +28,9 @@ from sfi.errors import ModelNotFoundError, SFIError
 from sfi.layout import prefer_decode_layout
 
 CONVERTED_MARKER = "sfi-converted.json"
+#: the weight formats whose decode steps are compiled unless ``compile=False``: their
+#: products are inductor's kernels, and the whole step compiled gained 1.2-1.5x over eager
+COMPILED_BY_DEFAULT = ("fp16", "int8")
 
 
 @dataclass(frozen=True)
@@ -227,14 +230,15 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
             (``sfi.layout``: packed for oneDNN on x86, else wide weights transposed); results
             agree to float rounding. Packed layers cannot move to another device or train:
             pass ``decode_layout=False`` for a model you will move or fine-tune.
-        weights: ``native`` (the loaded dtype); on a CPU, ``bf16`` (x86) or ``int8`` for the
-            linear layers (faster, not exact: ``sfi bench --weights native,bf16,int8``
-            measures speed and fidelity against ``native``; ``sfi.layout``).
+        weights: ``native`` (the loaded dtype); on a CPU, ``bf16`` (x86), ``fp16`` (large
+            weights in float16, for batch 1) or ``int8`` (AVX-512) for the linear layers
+            (faster, not exact: ``sfi bench --weights native,fp16,int8`` measures speed and
+            fidelity against ``native``; ``sfi.layout``).
         compile: compile the model's one-token decode steps with ``torch.compile``
             (:func:`sfi.compiled.compile_decode`: the first steps of a process take 10-90 s
-            to compile, kernels are cached on disk). Default: with ``int8`` weights, where it
-            makes a step 1.3-1.5x faster; not with native ones, where it gains 2-5%
-            (``docs/benchmarks.md``).
+            to compile, kernels are cached on disk). Default: with ``fp16`` and ``int8``
+            weights, where it makes a step 1.2-1.5x faster; not with native ones, where it
+            gains 2-5% (``docs/benchmarks.md``, ``docs/eval/weight-formats.md``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -258,7 +262,7 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     if decode_layout:
         prefer_decode_layout(model, weights)
     check_routable(model)  # a clear error now, rather than when a cache is built
-    if compile if compile is not None else weights == "int8":
+    if compile if compile is not None else weights in COMPILED_BY_DEFAULT:
         from sfi.compiled import compile_decode
 
         compile_decode(model)

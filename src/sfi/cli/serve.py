@@ -15,6 +15,7 @@ from sfi.cli_options import (
     ModelOpt,
     WeightsOpt,
     int_list,
+    note,
     old_spellings,
     sfi_options,
 )
@@ -78,8 +79,12 @@ def serve_cmd(
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can "
                   "reach this port can use the model")
     name = served_model_name or (Path(model).name if Path(model).exists() else model)
-    loaded_model, tokenizer = load_model(model, False, weights=one_format(weights),
-                                         compile=compile)
+    weights = one_format(weights)
+    if weights == "fp16" and max_batch > 1:
+        from sfi.fp16_linear import BATCH_ONE
+
+        note(BATCH_ONE)
+    loaded_model, tokenizer = load_model(model, False, weights=weights, compile=compile)
     engine = Engine(loaded_model, tokenizer, config or SFIConfig(), **asdict(limits))
     app_ = create_app(engine, name, context_length(loaded_model), api_key=access.api_key,
                       allowed_hosts=list(access.allowed_hosts or ()),

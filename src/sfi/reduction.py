@@ -1,0 +1,60 @@
+"""Weight-only products written as reductions that inductor compiles into the kernel.
+
+A one-token decode step multiplies a few rows by every weight matrix: the time is the weights'
+bytes over the memory bandwidth, so a narrower stored weight (int8, fp16) is faster only if the
+product reads it at that width and widens it in registers. PyTorch's own CPU kernels for
+narrow weights do not (``docs/eval/weight-formats.md``), but inductor turns the plain
+expression of the product, ``(x[..., None, :] * w.to(x.dtype)).sum(-1)``, into one vectorised
+loop that reads each weight element once per row: that expression is the kernel, compiled
+once per weight shape (:func:`compiled_for_shape`), or inlined into the decode step where the
+whole step is compiled (:mod:`sfi.compiled`).
+
+The loop widens each weight once per row, so it is bound by arithmetic beyond a few rows: up
+to :data:`REDUCE_ROWS` rows take it, more rows (a prefill chunk, teacher forcing) multiply
+widened blocks of the weight with ``F.linear`` (:func:`blocked_linear`).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from sfi.cache_folder import use_sfi_inductor_cache
+
+#: rows a product takes through the compiled reduction; above, widened blocks and
+#: ``F.linear`` (faster from 16 rows up on a 4864 x 896 int8 weight, on this project's EPYC)
+REDUCE_ROWS = 16
+#: weights widened for ``F.linear`` in blocks of this many output rows (an fp32 block of a
+#: 151,936-row output layer would be 545 MB)
+DEQUANT_BLOCK = 8192
+
+
+def compiled_for_shape(product: Callable[..., torch.Tensor], in_features: int,
+                       out_features: int) -> Callable[..., torch.Tensor]:
+    """``product`` compiled for one weight shape.
+
+    Each shape gets its own copy of the function's code object: dynamo keeps its compiled
+    variants, and counts them against its recompile limit (8), per code object, so a model's
+    six or seven weight shapes, each at one row and at a dynamic number of rows, under
+    inference and no-grad modes, would otherwise run out of variants and fall back to eager.
+    """
+    use_sfi_inductor_cache()
+    name = f"{product.__name__}_{out_features}x{in_features}"
+    code = product.__code__.replace(co_name=name)
+    return torch.compile(types.FunctionType(code, product.__globals__, name), dynamic=None)
+
+
+def blocked_linear(x: torch.Tensor, block: Callable[[int, int], torch.Tensor],
+                   out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., in]`` times the weight ``[out, in]`` that ``block(start, end)`` widens
+    :data:`DEQUANT_BLOCK` output rows at a time (``[end - start, in]`` in ``x``'s dtype), plus
+    ``bias``: ``[..., out]`` with ``F.linear``, for products of many rows."""
+    parts = []
+    for start in range(0, out_features, DEQUANT_BLOCK):
+        end = min(start + DEQUANT_BLOCK, out_features)
+        part_bias = None if bias is None else bias[start:end].to(x.dtype)
+        parts.append(F.linear(x, block(start, end), part_bias))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
