@@ -38,6 +38,17 @@ def tiny_model(arch: str, vocab_size: int = 256, seed: int = 0):
     return model.eval()
 
 
+def tied_tiny_qwen2():
+    """A tiny Qwen2 whose output layer shares the embedding table, 12 token ids and its
+    logits on them: ``(model, ids, logits [1, 12, V])``."""
+    model = tiny_model("qwen2")
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.inference_mode():
+        return model, ids, model(ids).logits
+
+
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
 

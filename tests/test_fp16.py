@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from conftest import tied_tiny_qwen2
 
 from sfi import fp16_linear, layout, reduction
 from sfi.fp16_linear import Fp16Linear, fp16_product, worth_storing
@@ -69,16 +69,11 @@ def test_only_large_weights_are_stored_in_fp16():
 
 @needs_fp16
 def test_fp16_layout_of_a_model_with_tied_embeddings(monkeypatch):
-    model = tiny_model("qwen2")
+    model, ids, reference = tied_tiny_qwen2()
     size = model.config.vocab_size * model.config.hidden_size
     monkeypatch.setattr(fp16_linear, "MIN_ELEMENTS", size)  # the output layer alone
-    model.config.tie_word_embeddings = True
-    model.lm_head.weight = model.model.embed_tokens.weight
     table = model.model.embed_tokens.weight.detach().clone()
     keys = set(model.state_dict())
-    ids = torch.randint(0, 256, (1, 12))
-    with torch.inference_mode():
-        reference = model(ids).logits
     assert prefer_decode_layout(model, "fp16") == 2 * 7 + 1
     stored = [m for m in model.modules() if isinstance(m, Fp16Linear)]
     assert [m.out_features for m in stored] == [model.config.vocab_size]

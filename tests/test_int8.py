@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from conftest import tied_tiny_qwen2, tiny_model
 
 from sfi import int8_linear, layout, reduction
 from sfi.int8_linear import Int8Linear, int8_product, quantize_rows
@@ -69,14 +69,9 @@ def test_the_avx2_code_path_computes_the_same_product():
 
 @needs_int8
 def test_int8_layout_of_a_model_with_tied_embeddings():
-    model = tiny_model("qwen2")
-    model.config.tie_word_embeddings = True
-    model.lm_head.weight = model.model.embed_tokens.weight
+    model, ids, reference = tied_tiny_qwen2()
     table = model.model.embed_tokens.weight.detach().clone()
     keys = set(model.state_dict())
-    ids = torch.randint(0, 256, (1, 12))
-    with torch.inference_mode():
-        reference = model(ids).logits
     assert prefer_decode_layout(model, "int8") == 2 * 7 + 1
     assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
     assert torch.equal(model.model.embed_tokens.weight, table)  # the embedding keeps fp32

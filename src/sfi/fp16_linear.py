@@ -14,12 +14,9 @@ format: at two rows and more it is slower than fp32's oneDNN product (measured i
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import cache
-
 import torch
 
-from sfi.reduction import REDUCE_ROWS, blocked_linear, compiled_for_shape
+from sfi.reduction import ReducedLinear
 
 #: what a server with batches of more than one sequence says of fp16 weights
 BATCH_ONE = ("fp16 weights are a batch-1 format: batches of two or more sequences decode "
@@ -45,55 +42,23 @@ def fp16_product(x: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
     return (x[..., None, :] * w16.to(x.dtype)).sum(-1)
 
 
-@cache
-def compiled_product(in_features: int, out_features: int) -> Callable[..., torch.Tensor]:
-    """:func:`fp16_product` compiled for one weight shape
-    (:func:`sfi.reduction.compiled_for_shape`)."""
-    return compiled_for_shape(fp16_product, in_features, out_features)
+class Fp16Linear(ReducedLinear):
+    """An ``nn.Linear`` whose weight is stored in float16 (``w16 [out, in]``); see
+    :class:`sfi.reduction.ReducedLinear`."""
 
-
-class Fp16Linear(torch.nn.Module):
-    """An ``nn.Linear`` whose weight is stored in float16.
-
-    ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype. ``weight`` gives the ``[out, in]``
-    matrix widened to fp32, made on each access and not a parameter: the model no longer
-    trains through it; ``state_dict`` holds it under the linear layer's keys.
-    """
+    format = "fp16"
+    product = staticmethod(fp16_product)
 
     def __init__(self, linear: torch.nn.Module) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.format = "fp16"
+        super().__init__(linear)
         self.register_buffer("w16", linear.weight.detach().to(torch.float16).contiguous(),
                              persistent=False)
-        bias = linear.bias
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(),
-                                                                 requires_grad=False)
-        self._product = compiled_product(self.in_features, self.out_features)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.w16.float()
+    def operands(self) -> tuple[torch.Tensor, ...]:
+        return (self.w16,)
 
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self.weight
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+    def widened(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.w16[start:end].to(dtype)
 
     def stored_bytes(self) -> int:
-        """Bytes of weight one product reads."""
         return self.w16.numel() * self.w16.element_size()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if rows <= REDUCE_ROWS:
-            product = fp16_product if torch.compiler.is_compiling() else self._product
-            y = product(x, self.w16)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        return blocked_linear(x, lambda start, end: self.w16[start:end].to(x.dtype),
-                                        self.out_features, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, format=fp16")

@@ -17,13 +17,10 @@ there. Loading int8 weights on such a CPU says so (:func:`warn_if_slow`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import cache
-
 import torch
 
 from sfi.notices import notice_once
-from sfi.reduction import REDUCE_ROWS, blocked_linear, compiled_for_shape
+from sfi.reduction import ReducedLinear
 
 #: what :func:`warn_if_slow` says on a CPU without AVX-512
 SLOW_INT8 = ("int8 weights decode several times slower than native ones on this CPU (no "
@@ -57,61 +54,30 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_product(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [..., in]``, ``w8 [out, in]`` int8, ``scale [out]`` -> ``x @ (w8 * scale).T``
     ``[..., out]`` in ``x``'s dtype. Eagerly this materialises ``[..., out, in]``: it is
-    meant to be compiled (:func:`compiled_product`)."""
+    meant to be compiled (:class:`sfi.reduction.ReducedLinear`)."""
     return (x[..., None, :] * w8.to(x.dtype)).sum(-1) * scale.to(x.dtype)
 
 
-@cache
-def compiled_product(in_features: int, out_features: int) -> Callable[..., torch.Tensor]:
-    """:func:`int8_product` compiled for one weight shape
-    (:func:`sfi.reduction.compiled_for_shape`)."""
-    return compiled_for_shape(int8_product, in_features, out_features)
+class Int8Linear(ReducedLinear):
+    """An ``nn.Linear`` whose weight is stored as int8 per output channel
+    (:func:`quantize_rows`: ``w8 [out, in]``, ``scale [out]``); see
+    :class:`sfi.reduction.ReducedLinear`."""
 
-
-class Int8Linear(torch.nn.Module):
-    """An ``nn.Linear`` whose weight is stored as int8 per output channel (:func:`quantize_rows`).
-
-    ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype. ``weight`` gives the dequantised
-    ``[out, in]`` matrix, made on each access and not a parameter: the model no longer trains
-    through it; ``state_dict`` holds it under the linear layer's keys.
-    """
+    format = "int8"
+    product = staticmethod(int8_product)
 
     def __init__(self, linear: torch.nn.Module) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.format = "int8"
+        super().__init__(linear)
         w8, scale = quantize_rows(linear.weight)
         self.register_buffer("w8", w8, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
-        bias = linear.bias
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(),
-                                                                 requires_grad=False)
-        self._product = compiled_product(self.in_features, self.out_features)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.w8.float() * self.scale[:, None]
+    def operands(self) -> tuple[torch.Tensor, ...]:
+        return (self.w8, self.scale)
 
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self.weight
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+    def widened(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.w8[start:end].to(dtype) * self.scale[start:end, None].to(dtype)
 
     def stored_bytes(self) -> int:
-        """Bytes of weight (and scales) one product reads."""
+        """Bytes of weight and scales one product reads."""
         return self.w8.numel() + self.scale.numel() * self.scale.element_size()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if rows <= REDUCE_ROWS:
-            product = int8_product if torch.compiler.is_compiling() else self._product
-            y = product(x, self.w8, self.scale)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        return blocked_linear(x, lambda start, end: self.w8[start:end].to(x.dtype)
-                                        * self.scale[start:end, None].to(x.dtype),
-                                        self.out_features, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, format=int8")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,11 @@ REDUCE_ROWS = 16
 DEQUANT_BLOCK = 8192
 
 
+@cache
 def compiled_for_shape(product: Callable[..., torch.Tensor], in_features: int,
                        out_features: int) -> Callable[..., torch.Tensor]:
-    """``product`` compiled for one weight shape.
+    """``product`` compiled for one weight shape (one compiled function per product and shape,
+    shared by the layers of that shape).
 
     Each shape gets its own copy of the function's code object: dynamo keeps its compiled
     variants, and counts them against its recompile limit (8), per code object, so a model's
@@ -58,3 +61,64 @@ def blocked_linear(x: torch.Tensor, block: Callable[[int, int], torch.Tensor],
         part_bias = None if bias is None else bias[start:end].to(x.dtype)
         parts.append(F.linear(x, block(start, end), part_bias))
     return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
+class ReducedLinear(torch.nn.Module):
+    """An ``nn.Linear`` whose weight is stored narrow and multiplied by a compiled reduction.
+
+    A subclass stores its weight (buffers) and gives :attr:`format`, :meth:`product` (the
+    reduction, a plain function of ``x`` and :meth:`operands`), :meth:`widened` (output rows
+    of the weight in a dtype) and :meth:`stored_bytes`. ``forward(x [..., in]) -> [..., out]``
+    in ``x``'s dtype: up to :data:`REDUCE_ROWS` rows the product compiled for the weight's
+    shape (inlined where the whole step is compiled), more rows :func:`blocked_linear`.
+    ``weight`` gives the ``[out, in]`` matrix widened to fp32, made on each access and not a
+    parameter: the model no longer trains through it; ``state_dict`` holds it under the
+    linear layer's keys.
+    """
+
+    format = ""
+    product: Callable[..., torch.Tensor]
+
+    def __init__(self, linear: torch.nn.Module) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        bias = linear.bias
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(),
+                                                                 requires_grad=False)
+        self._compiled = compiled_for_shape(type(self).product, self.in_features,
+                                            self.out_features)
+
+    def operands(self) -> tuple[torch.Tensor, ...]:
+        """What :meth:`product` takes after ``x`` (the stored weight)."""
+        raise NotImplementedError
+
+    def widened(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[end - start, in]``: output rows ``start:end`` of the weight in ``dtype``."""
+        raise NotImplementedError
+
+    def stored_bytes(self) -> int:
+        """Bytes of weight one product reads."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.widened(0, self.out_features, torch.float32)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if rows > REDUCE_ROWS:
+            return blocked_linear(x, lambda start, end: self.widened(start, end, x.dtype),
+                                  self.out_features, self.bias)
+        product = type(self).product if torch.compiler.is_compiling() else self._compiled
+        y = product(x, *self.operands())
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format={self.format}")
