@@ -192,12 +192,14 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
                 continue
             if module.weight.dim() != 2:
                 continue
-            if format_runs(weights, module.weight.dtype):
-                replaced = _decode_layer(module, weights)
+            layer_format = _layer_format(module, weights)
+            if format_runs(layer_format, module.weight.dtype):
+                reduced = REDUCED_FORMATS.get(layer_format)
+                replaced = reduced(module) if reduced else PackedLinear(module, layer_format)
                 setattr(parent, name, replaced)
                 packed += 1
-            elif weights != "native":
-                require_format(weights, module.weight.dtype)
+            elif layer_format != "native":
+                require_format(layer_format, module.weight.dtype)
             elif _transpose_wide(module, id(module.weight) in shared):
                 changed += 1
     if packed:
@@ -207,13 +209,13 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
     return changed + packed
 
 
-def _decode_layer(linear: torch.nn.Linear, weights: str) -> torch.nn.Module:
-    """The layer that runs ``linear`` in format ``weights``: fp16 stores only the weights
-    worth it (:func:`sfi.fp16_linear.worth_storing`) and packs the others natively."""
+def _layer_format(linear: torch.nn.Linear, weights: str) -> str:
+    """The format ``linear`` takes when the model asks for ``weights``: fp16 stores only the
+    weights worth it (:func:`sfi.fp16_linear.worth_storing`); the others take the native
+    layout, as under ``weights="native"``."""
     if weights == "fp16" and not worth_storing(linear.in_features, linear.out_features):
-        return PackedLinear(linear) if format_runs("native", linear.weight.dtype) else linear
-    reduced = REDUCED_FORMATS.get(weights)
-    return reduced(linear) if reduced else PackedLinear(linear, weights)
+        return "native"
+    return weights
 
 
 def weight_byte_ratio(model: torch.nn.Module) -> float:

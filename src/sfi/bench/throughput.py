@@ -36,13 +36,12 @@ from sfi.config import SFIConfig
 from sfi.cost_model import kv_elements_per_position
 from sfi.errors import SFIError
 from sfi.exact import ExactDecoder
-from sfi.fp16_linear import Fp16Linear
 from sfi.hf import context_length
-from sfi.int8_linear import Int8Linear
 from sfi.layout import PackedLinear
 from sfi.methods import build_cache
 from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill, prefix_kv
+from sfi.reduction import ReducedLinear
 from sfi.stats import DecodeStats
 from sfi.steps import decode_one
 from sfi.triggers import COVERAGE
@@ -98,7 +97,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        if isinstance(module, (PackedLinear, Int8Linear, Fp16Linear)):  # stored apart
+        if isinstance(module, (PackedLinear, ReducedLinear)):  # stored apart from parameters
             total += module.stored_bytes()
         for p in module.parameters(recurse=False):
             if p.data_ptr() not in seen:
