@@ -26,7 +26,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: install install-test install-vllm install-oldest demo test test-vllm test-oldest docs \
-	gpu-install gpu-check clean
+	gpu-install gpu-check gpu-check-hf clean
 
 $(VENV)/.install-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,11 @@ gpu-install:
 
 gpu-check:
 	bash scripts/gpu-check.sh check
+
+# The transformers path on CUDA with the python3 at hand (no install, no network; the lent
+# machines reach no package registry): sfi's invariants, then sfi bench at 32K and 128K
+gpu-check-hf:
+	bash scripts/gpu-check.sh hf
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(OLDEST_VENV) build

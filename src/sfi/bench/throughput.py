@@ -79,13 +79,18 @@ class BenchRow:
     same_tokens_as_full: bool | None = None
 
 
-def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Memory read bandwidth in GB/s: the best of a few sums over a tensor larger than caches."""
-    data = torch.ones(megabytes * (1 << 20) // 4)
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5,
+                      device: torch.device | str = "cpu") -> float:
+    """Read bandwidth in GB/s of the memory ``device`` decodes from (host memory, or a GPU's):
+    the best of a few sums over a tensor larger than its caches."""
+    device = torch.device(device)
+    data = torch.ones(megabytes * (1 << 20) // 4, device=device)
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + (device.type == "cuda")):  # (a GPU's first sum loads its kernel)
+        _sync(device)
         start = time.perf_counter()
         data.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     return data.numel() * 4 / best / 1e9
 
@@ -353,7 +358,7 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
         raise SFIError(f"a context of {max(contexts)} plus {warmup} warm-up and {new_tokens} new "
                        "tokens exceeds the "
                        f"model's {limit}; use --synthetic-kv for throughput-only sweeps beyond it")
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(device=model.device)
     rows: list[BenchRow] = []
     skipped: list[dict[str, Any]] = []
     kv = "synthetic" if synthetic_kv else "prefill"
