@@ -209,6 +209,35 @@ def test_page_summaries_follow_the_cache_as_it_grows():
     assert first[0].shape[2] == 5 and low.shape[2] == 7
 
 
+def test_incremental_page_summaries_equal_summarising_from_scratch():
+    """Both engines' probes keep page bounds this way (the slab per layer, the vLLM plugin per
+    request): update by update, grown past their room, with shifted pages and after a cut,
+    they are the bounds and boxes of the whole cache."""
+    from sfi.pages import PageSummaries, page_bounds, page_boxes, page_count
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 2, 70, 4, generator=g)
+    shift = torch.tensor([0, 3])
+    for rows_shift in (None, shift):
+        aligned = None if rows_shift is None else tuple(rows_shift.tolist())
+        pages = PageSummaries(8, aligned)
+        for t in (5, 8, 9, 30, 30, 31, 64, 70):  # room grows from 1 page (t = 5)
+            pages.update(keys[:, :, :t], rows_shift)
+            low, high = page_bounds(keys[:, :, :t], 8, rows_shift)
+            assert pages.done == t and pages.count == page_count(t, 8, rows_shift)
+            assert torch.equal(pages.low[:, :, :pages.count], low)
+            assert torch.equal(pages.high[:, :, :pages.count], high)
+            # (a row's page past its last position has no bounds: NaN boxes, as from scratch)
+            torch.testing.assert_close(pages.boxes[:, :, :pages.count], page_boxes(low, high),
+                                       rtol=0, atol=0, equal_nan=True)
+        changed = keys.clone()
+        changed[:, :, 40:] = 10.0  # positions 40.. rewritten after a cut back to 40
+        pages.forget_after(40)
+        pages.update(changed, rows_shift)
+        assert torch.equal(pages.high[:, :, :pages.count], page_bounds(changed, 8, rows_shift)[1])
+    assert PageSummaries(8, (0, 3)).matches(8, (0, 3)) and not PageSummaries(8).matches(8, (0, 3))
+
+
 def test_a_memory_missing_a_heavy_page_is_flagged():
     from sfi.coverage import CoverageChecks, page_scores, probe_layers, unheld_pages
     from sfi.pages import page_bounds, page_boxes

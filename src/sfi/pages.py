@@ -10,6 +10,8 @@ Shapes: B rows, H KV heads, T positions, D head size, P pages.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -64,3 +66,60 @@ def pages_of(length: int, page: int, shift: torch.Tensor | None, b: int,
     """``[B, T]`` the page that holds each position of each row."""
     positions = torch.arange(length, device=device)[None, :].expand(b, length)
     return positions // page if shift is None else (positions + shift[:, None]) // page
+
+
+@dataclass
+class PageSummaries:
+    """The pages' key bounds of a growing cache, kept up to date incrementally: each
+    :meth:`update` summarises only the pages that hold positions written since the last.
+
+    Attributes:
+        page: the page size; shift: the rows' shifts (:func:`page_shift`) as Python ints, None
+            where pages start at position 0.
+        done: positions summarised; count: pages filled (``[:, :, :count]`` of the tensors).
+        low, high: ``[B, H, room, D]`` (float32) each page's element-wise min and max key;
+        boxes: ``[B, H, room, 2 D]`` their :func:`page_boxes`. None until the first update.
+    """
+
+    page: int
+    shift: tuple[int, ...] | None = None
+    done: int = 0
+    count: int = 0
+    low: torch.Tensor | None = None
+    high: torch.Tensor | None = None
+    boxes: torch.Tensor | None = None
+
+    def matches(self, page: int, shift: tuple[int, ...] | None) -> bool:
+        """Whether these summaries cut the cache into the same pages."""
+        return self.page == page and self.shift == shift
+
+    def forget_after(self, length: int) -> None:
+        """The cache was cut back to ``length`` positions: summarise from there again."""
+        self.done = min(self.done, length)
+
+    def update(self, keys: torch.Tensor, shift: torch.Tensor | None = None,
+               room: int = 0) -> PageSummaries:
+        """Summarise ``keys [B, H, T, D]`` (the cache's first T positions; ``shift [B]``, the
+        tensor of :attr:`shift`): the page that was partial at :attr:`done` and those after
+        it; nothing when ``T <= done``. The tensors grow to hold at least ``room`` pages."""
+        t = keys.shape[-2]
+        if self.low is not None and self.done >= t:
+            return self
+        count = page_count(t, self.page, shift)
+        first = self.done // self.page
+        if self.low is None or self.low.shape[2] < count:
+            b, h, _, d = keys.shape
+            size = max(count, room)
+            low = keys.new_full((b, h, size, d), float("inf"), dtype=torch.float32)
+            high = torch.full_like(low, float("-inf"))
+            boxes = low.new_zeros(b, h, size, 2 * d)
+            if self.low is not None:  # grown: keep what was summarised
+                for new, old in ((low, self.low), (high, self.high), (boxes, self.boxes)):
+                    new[:, :, :first] = old[:, :, :first]
+            self.low, self.high, self.boxes = low, high, boxes
+        new_low, new_high = page_bounds(keys, self.page, shift, first)
+        self.low[:, :, first:count] = new_low
+        self.high[:, :, first:count] = new_high
+        self.boxes[:, :, first:count] = page_boxes(new_low, new_high)
+        self.done, self.count = t, count
+        return self

@@ -15,39 +15,18 @@ Shapes: B sequences, H KV heads, T cache length, D head size, C compact slots, P
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from sfi.errors import SFIError
-from sfi.pages import page_bounds, page_boxes, page_count
+from sfi.pages import PageSummaries, page_count
 from sfi.rows import Rows
 from sfi.scorers import key_norms_of
 
 _POSITIONAL = ("_keys", "_values", "_norms")  # [rows, H, positions, ...]
 _COMPACT = ("compact_keys", "compact_values", "compact_positions")  # [rows, H, C, ...]
-
-
-@dataclass
-class _PageSummaries:
-    """Per-page key bounds of one layer, ``[B, H, room, D]`` each, and their boxes
-    (``sfi.pages.page_boxes``, ``[B, H, room, 2 D]``), filled up to ``count`` pages (``done``
-    positions summarised)."""
-
-    page: int
-    shift: tuple[int, ...] | None  # where each row's pages start (sfi.pages); None: at 0
-    done: int
-    low: torch.Tensor
-    high: torch.Tensor
-    boxes: torch.Tensor
-    count: int = 0
-
-    @property
-    def room(self) -> int:
-        return self.low.shape[2]
-
 
 
 class SlabLayer(CacheLayerMixin):
@@ -82,7 +61,7 @@ class SlabLayer(CacheLayerMixin):
         self.compact_keys: torch.Tensor | None = None
         self.compact_values: torch.Tensor | None = None
         self.compact_positions: torch.Tensor | None = None
-        self._pages: _PageSummaries | None = None
+        self._pages: PageSummaries | None = None
 
     # --- the CacheLayerMixin interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -124,15 +103,15 @@ class SlabLayer(CacheLayerMixin):
         self._keys[:, :, start:end].masked_fill_(empty[:, None, :, None], 0)
         self._values[:, :, start:end].masked_fill_(empty[:, None, :, None], 0)
         self._norms[:, :, start:end].masked_fill_(empty[:, None, :], 0)
-        if self._pages is not None and self._pages.done > start:
-            self._pages.done = start
+        if self._pages is not None:
+            self._pages.forget_after(start)
 
     def truncate(self, length: int) -> None:
         """Forget the positions from ``length`` on (their page summaries are made again when
         asked); the compact buffer's positions lie before ``length``."""
         self.length = length
-        if self._pages is not None and self._pages.done > length:
-            self._pages.done = length
+        if self._pages is not None:
+            self._pages.forget_after(length)
 
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # transformers < 5.20 passes cache_position
@@ -218,30 +197,16 @@ class SlabLayer(CacheLayerMixin):
 
     def _summarise(self, page: int, shift: torch.Tensor | None,
                    aligned: tuple[int, ...] | None = None,
-                   upto: int | None = None) -> _PageSummaries:
-        """The page summaries, kept up to date incrementally: each call summarises only the
-        pages that hold positions appended since the last (up to ``upto``, when given)."""
+                   upto: int | None = None) -> PageSummaries:
+        """The page summaries (:class:`sfi.pages.PageSummaries`), brought up to date to the
+        filled length (or ``upto``, when given)."""
         t = self.length if upto is None else min(self.length, upto)
-        count = page_count(t, page, shift)
         if aligned is None and shift is not None:
             aligned = tuple(shift.tolist())
-        pages = self._pages
-        if pages and pages.page == page and pages.shift == aligned and pages.done >= t:
-            return pages  # nothing new before t: the boxes wanted are there
-        if pages is None or pages.page != page or pages.shift != aligned or pages.room < count:
-            b, h, _, d = self._keys.shape
-            room = max(count, page_count(self.capacity, page, shift) + 1)
-            low = self._keys.new_full((b, h, room, d), float("inf"), dtype=torch.float32)
-            pages = self._pages = _PageSummaries(
-                page, aligned, 0, low, torch.full_like(low, float("-inf")),
-                low.new_zeros(b, h, room, 2 * d))
-        first = pages.done // page  # the page that was partial last time, and those after it
-        new_low, new_high = page_bounds(self.keys[:, :, :t], page, shift, first)
-        pages.low[:, :, first:count] = new_low
-        pages.high[:, :, first:count] = new_high
-        pages.boxes[:, :, first:count] = page_boxes(new_low, new_high)
-        pages.done, pages.count = t, count
-        return pages
+        if self._pages is None or not self._pages.matches(page, aligned):
+            self._pages = PageSummaries(page, aligned)
+        return self._pages.update(self.keys[:, :, :t], shift,
+                                  room=page_count(self.capacity, page, shift) + 1)
 
     def _grow(self, needed: int) -> None:
         """Room for ``needed`` positions: a quarter more than now (at least 256 more), so that a

@@ -21,7 +21,7 @@ import torch
 
 from sfi.coverage import misses, page_scores, probe_page, top_pages, unheld_pages
 from sfi.kernels import attention_logits
-from sfi.pages import page_bounds, page_boxes
+from sfi.pages import PageSummaries
 from sfi.scorers import key_norms_of
 from sfi.selection import SelectionRule
 from sfi.vllm.metadata import SFIMetadata
@@ -63,19 +63,19 @@ class SlotCoverage:
     """What a probe layer keeps of one slot's memory to check it (``sfi.coverage``).
 
     Attributes:
-        low, high: ``[1, H, P, D]`` the element-wise bounds of the request's pages, of which
-            ``done`` positions are summarised (kept from refresh to refresh: only the pages
-            written since are summarised again).
-        boxes: ``[1, H, P, 2 D]`` the pages' boxes (``sfi.pages.page_boxes``).
+        pages: the request's page bounds and boxes (``[1, H, P, ...]``), kept from refresh to
+            refresh: only the pages written since are summarised again.
         outside: ``[1, H, P]`` the middle region's pages the memory holds nothing of (the
             pages a probe may ask for, fixed until the next refresh).
     """
 
-    low: torch.Tensor
-    high: torch.Tensor
-    done: int
-    boxes: torch.Tensor
+    pages: PageSummaries
     outside: torch.Tensor
+
+    @property
+    def boxes(self) -> torch.Tensor:
+        """``[1, H, P, 2 D]`` the filled pages' boxes."""
+        return self.pages.boxes[:, :, : self.pages.count]
 
 
 @dataclass
@@ -269,23 +269,17 @@ def _slot_coverage(previous: SlotCoverage | None, keys: torch.Tensor, selected: 
                    memory: Any, page: int) -> SlotCoverage:
     """A probe layer's record of a request's new memory: ``keys [H, T, D]`` its keys read at
     the refresh, ``selected [H, k]``; the page bounds of ``previous`` (its last record) are
-    kept."""
+    brought up to date."""
     t, device = keys.shape[1], keys.device
-    first = 0
-    if previous is not None and previous.done <= t:
-        first = previous.done // page  # the page that was partial then, and those after it
-    new_low, new_high = page_bounds(keys[None, :, first * page:], page)
-    if first:
-        low = torch.cat([previous.low[:, :, :first], new_low], dim=2)
-        high = torch.cat([previous.high[:, :, :first], new_high], dim=2)
-    else:
-        low, high = new_low, new_high
+    pages = previous.pages if previous is not None else None
+    if pages is None or not pages.matches(page, None) or pages.done > t:
+        pages = PageSummaries(page)
+    pages.update(keys[None])
     outside = unheld_pages(selected[None], torch.ones_like(selected[:1], dtype=torch.bool),
                            torch.tensor([memory.sink_end], device=device),
                            torch.tensor([memory.recent_start], device=device),
-                           pages=low.shape[2], page=page)
-    return SlotCoverage(low=low, high=high, done=t,
-                        boxes=page_boxes(low, high), outside=outside)
+                           pages=pages.count, page=page)
+    return SlotCoverage(pages=pages, outside=outside)
 
 
 def _layer_index(layer: Any) -> int:
