@@ -49,6 +49,30 @@ def test_batched_logits_equal_unbatched_with_different_refresh_steps():
                                        msg=f"row {row} step {step}")
 
 
+def test_a_step_done_again_for_some_rows_leaves_each_row_as_alone():
+    """coverage_retry runs a step again when a row's probes flag it: the batch's other rows
+    (fast, or slow with their refresh done already) give their own logits in that pass, and
+    the flagged row what it gives alone."""
+    model = tiny_model("qwen3")
+    g = torch.Generator().manual_seed(5)
+    long, short = torch.randint(1, 256, (1, 70), generator=g), torch.randint(1, 256, (1, 45),
+                                                                               generator=g)
+    ids, mask = _padded(long, short)
+    retry = dict(CONFIG, trigger="random", random_period_min=3, random_period_max=8,
+                 page_size=4, coverage_layers=2, coverage_threshold=0.4, coverage_gap=1,
+                 coverage_retry=True)
+    batch = lockstep(model, ids, SFIConfig(**retry), steps=20, attention_mask=mask)
+    assert any(k[0] != k[1] for k in batch.kinds)
+    reasons = [batch.cache.stats(row).refresh_reasons for row in (0, 1)]
+    assert all(r["coverage"] >= 2 for r in reasons) and reasons[1]["period"] >= 1, reasons
+    for row, prompt in enumerate((long, short)):
+        alone = _alone(model, prompt, batch, row, SFIConfig(**retry, seed=0))
+        assert alone.cache.stats().refresh_reasons == reasons[row]
+        for step, (a, b) in enumerate(zip(alone.logits, batch.sfi_logits)):
+            torch.testing.assert_close(a[0], b[row], atol=2e-5, rtol=1e-5,
+                                       msg=f"row {row} step {step}")
+
+
 @pytest.mark.parametrize("scorer", ["sfi", "quest"])
 def test_pages_start_at_each_sequence_so_padding_changes_nothing(scorer):
     """The default preset cuts the cache into pages (paged selection, Quest, the coverage

@@ -209,6 +209,28 @@ def test_page_summaries_follow_the_cache_as_it_grows():
     assert first[0].shape[2] == 5 and low.shape[2] == 7
 
 
+@pytest.mark.parametrize("retry", [False, True])
+def test_coverage_retry_takes_the_flagged_step_densely(retry):
+    """With probes that flag every fast memory, a flagged step refreshes at the next step; with
+    coverage_retry the flagged step itself is done again as its slow step, so every step is
+    full attention's, and the cache holds each position once."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, trigger="fixed",
+                       period=50, page_size=4, coverage_layers=2, coverage_threshold=0.0,
+                       coverage_gap=1, coverage_retry=retry)
+    run = lockstep(model, ids, config, steps=10)
+    kinds = [k[0] for k in run.kinds]
+    assert run.cache.get_seq_length() == run.reference.get_seq_length() == 90
+    coverage = run.cache.stats().refresh_reasons["coverage"]
+    if retry:
+        assert kinds == ["slow"] * 11 and coverage == 10
+        for step, (a, b) in enumerate(zip(run.sfi_logits, run.full_logits)):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=f"step {step}")
+    else:
+        assert kinds == ["slow", "fast"] * 5 + ["slow"] and coverage == 5
+
+
 def test_incremental_page_summaries_equal_summarising_from_scratch():
     """Both engines' probes keep page bounds this way (the slab per layer, the vLLM plugin per
     request): update by update, grown past their room, with shifted pages and after a cut,

@@ -28,7 +28,8 @@ from sfi.hf import RoutingLease, text_config
 from sfi.layer_attention import SlowFastAttention
 from sfi.layout import weight_byte_ratio
 from sfi.overlap import Rebuilder, make_rebuilder
-from sfi.planner import Planner, StepPlan, TriggerFactory
+from sfi.plan import Redo, StepPlan
+from sfi.planner import Planner, TriggerFactory
 from sfi.scorers import Scorer
 from sfi.selector import SFISelector
 from sfi.sequence import SLOW, Memory, record_verified
@@ -91,6 +92,7 @@ class SlowFastCache(WritesInAttention, Cache):
         self._layer_ids: tuple[int, ...] = ()
         self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._kinds: tuple[str, ...] = ()
+        self._redo: Redo | None = None  # the step to run again (coverage_retry), until it runs
         self.prompt_continues = False  # set between the chunks of a chunked prefill
         self.phase: str | None = None  # exact mode's phase of the next forward (sfi.exact)
         capacity = int(max_cache_len) if max_cache_len else 256
@@ -130,18 +132,31 @@ class SlowFastCache(WritesInAttention, Cache):
         tokens = input_ids[:, -1].tolist() if input_ids is not None else [None] * batch_size
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,
-                                 select=not self.prompt_continues, phase=self.phase)
+                                 select=not self.prompt_continues, phase=self.phase,
+                                 redo=self._redo)
         return StepContext(layers=self.attention, plan=plan, rebuilder=self.rebuilder)
 
-    def end_forward(self, step: StepContext) -> None:
-        """The planned forward ran: commit its plan and record what it did."""
+    def end_forward(self, step: StepContext) -> bool:
+        """The planned forward ran: commit its plan and record what it did; or, where its
+        probes flagged rows that redo such a step (``coverage_retry``), forget the position
+        it wrote and return True: the caller runs the same forward again (``sfi.hf``), whose
+        plan is the :class:`~sfi.plan.Redo` of this one."""
         plan: StepPlan = step.plan
         self.rebuilder.flush()  # the forward's refreshes, stacked over its layers
         for attention in self._attending():
             attention.settle()  # commit what is ready (inside the forward's inference mode)
         step.missed.update(step.coverage.missing())
-        self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
-        self._kinds = self.planner.executed_kinds(plan, step.lagged)
+        redo, self._redo = self._redo, None
+        if redo is None and step.missed and self._rewindable():
+            flagged = self.planner.redo_rows(plan, step.missed)
+            if flagged:
+                for layer in self._sfi_layers():
+                    layer.truncate(plan.total_length - plan.query_length)
+                self._redo = Redo(plan, flagged)
+                return True
+        self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed, redo)
+        self._kinds = self.planner.executed_kinds(plan, step.lagged, redo)
+        return False
 
     def _start(self, batch_size: int, attention_mask: torch.Tensor | None,
                device: torch.device) -> None:
@@ -210,11 +225,10 @@ class SlowFastCache(WritesInAttention, Cache):
         (drafts never refresh, and a verify lays its memory out at its first position)."""
         if not 0 < length <= self.get_seq_length():
             raise SFIError(f"rewind needs 0 < length <= {self.get_seq_length()}, got {length}")
-        layers = self._sfi_layers()
-        if len(layers) != len(self.layers):
+        if not self._rewindable():
             raise SFIError("exact mode needs every layer to be full attention (a sliding-window "
                            "layer cannot be rewound)")
-        for layer in layers:
+        for layer in self._sfi_layers():
             layer.truncate(length)
 
     def commit_rows(self, start: int, counts: Sequence[int]) -> None:
@@ -357,6 +371,7 @@ class SlowFastCache(WritesInAttention, Cache):
         self.attention = _attention_of(self.layers)
         self.planner = Planner(self._layer_ids)
         self._kinds = ()
+        self._redo = None
 
     def close(self) -> None:
         """Stop routing the model through sfi (the cache cannot decode any more)."""
@@ -377,6 +392,10 @@ class SlowFastCache(WritesInAttention, Cache):
 
     def _sfi_layers(self) -> list[SlabLayer]:
         return [layer for layer in self.layers if isinstance(layer, SlabLayer)]
+
+    def _rewindable(self) -> bool:
+        """Every layer can forget positions (none keeps its own sliding window)."""
+        return len(self._sfi_layers()) == len(self.layers)
 
     def _attending(self) -> list[SlowFastAttention]:
         return [attention for attention in self.attention if attention is not None]

@@ -185,6 +185,10 @@ class SFIConfig:
     refreshes (reason ``coverage``)."""
     coverage_gap: int = 2
     """Coverage probes: at most one coverage refresh every this many steps."""
+    coverage_retry: bool = False
+    """Coverage probes: a fast step whose probes flag a row is done again at once as that
+    row's slow step (its token then comes from dense attention and the refresh), instead of
+    refreshing at the next step; the flagged fast forward is spent (transformers path)."""
 
     # --- exact mode (``mode="exact"``: fast steps draft, one dense forward verifies) ---
     draft_tokens: int = 4
@@ -219,7 +223,7 @@ class SFIConfig:
         _require_int("evidence_window", self.evidence_window, 1)
         _require_int("min_skip", self.min_skip, 0)
         _require_float("min_gain", self.min_gain, 1.0)
-        for name in ("force_sparse", "overlap_selection", "draft_fallback"):
+        for name in ("force_sparse", "overlap_selection", "draft_fallback", "coverage_retry"):
             if not isinstance(getattr(self, name), bool):
                 raise SFIConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.trigger not in TRIGGER_POLICIES:

@@ -3,9 +3,9 @@
 Self-speculative decoding with SFI's memory as the drafter. A round of a batch:
 
 1. **draft**: gamma fast steps over the current memory (sink + selected + recent per KV head)
-   propose ``d_1 .. d_gamma`` (``sfi.planner.DRAFT``: no slow step, no probe, no state change);
+   propose ``d_1 .. d_gamma`` (``sfi.plan.DRAFT``: no slow step, no probe, no state change);
 2. **verify**: the drafts' KV is forgotten (:meth:`SlowFastCache.rewind`), and one forward of
-   ``[x, d_1 .. d_gamma]`` attends densely over the whole cache (``sfi.planner.VERIFY``). It
+   ``[x, d_1 .. d_gamma]`` attends densely over the whole cache (``sfi.plan.VERIFY``). It
    writes full attention's KV for those positions, and where a refresh is due it is also the
    slow step: its queries are the Selector's evidence, its memory laid out at its first
    position;
@@ -41,7 +41,7 @@ from sfi.cache import SlowFastCache
 from sfi.draft_length import DraftLength
 from sfi.errors import SFIError
 from sfi.hf import cache_argument
-from sfi.planner import DENSE_STEP, DRAFT, VERIFY
+from sfi.plan import DENSE_STEP, DRAFT, VERIFY
 from sfi.sequence import sparse_pays
 from sfi.steps import Sampling, decode_one, extended_mask, sample_next
 

@@ -5,7 +5,9 @@ implementation to ``"sfi"`` and installs two forward hooks; leaving the last sco
 implementation the model had and removes the hooks. Before each forward the pre-hook asks the
 cache passed to the model (if it takes part: ``begin_forward``) for a
 :class:`~sfi.context.StepContext` and makes it current; after the forward (even one that
-raised) the post-hook leaves it and tells the cache the step ran (``end_forward``).
+raised) the post-hook leaves it and tells the cache the step ran (``end_forward``); where the
+cache answers that the step must run again (``SFIConfig.coverage_retry``), the hook runs the
+same forward once more and returns its output instead.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def _begin(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     routing.open_steps[-1] = (enter_step(step), cache, step)
 
 
-def _end(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def _end(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     routing: _Routing | None = getattr(model, "_sfi_routing", None)
     if routing is None or not routing.open_steps:
         return
@@ -110,8 +112,9 @@ def _end(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None
         return
     token, cache, step = entry
     leave_step(token)
-    if step is not None and output is not None:
-        cache.end_forward(step)
+    if step is not None and output is not None and cache.end_forward(step):
+        return model(*args, **kwargs)  # the cache asks for the step again (coverage_retry)
+    return None
 
 
 def _enter(model: torch.nn.Module) -> None:

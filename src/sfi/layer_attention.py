@@ -27,7 +27,7 @@ from sfi.context import StepContext
 from sfi.coverage import page_scores, unheld_pages
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh, StagedCompact
-from sfi.planner import VERIFY, Probe, SlowRows, StepPlan
+from sfi.plan import VERIFY, Probe, SlowRows, StepPlan
 from sfi.rows import Rows
 from sfi.scorers import make_evidence, scores_rows_alone
 from sfi.selection import PreviousSelection, previous_selection

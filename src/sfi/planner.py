@@ -18,13 +18,25 @@ C compact slots (sink + selected) per KV head.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from sfi.config import SFIConfig
 from sfi.coverage import probe_layers, probe_page
 from sfi.kernels import additive_bias, evidence_bias
+from sfi.plan import (
+    DENSE_STEP,
+    DRAFT,
+    PHASES,
+    VERIFY,
+    FastRows,
+    Probe,
+    ProbedRows,
+    Redo,
+    SlowRows,
+    StepPlan,
+)
 from sfi.rows import Rows
 from sfi.scorers import Scorer
 from sfi.selection import SelectionGroup, SelectionRule
@@ -43,152 +55,6 @@ from sfi.sequence import (
 )
 from sfi.triggers import BOOTSTRAP, RefreshTrigger
 from sfi.visibility import block_bias, dense_bias, visible_slots
-
-
-@dataclass(frozen=True)
-class SlowRows:
-    """The sequences refreshed in this forward, one entry per row of ``rows``.
-
-    Attributes:
-        rows: which sequences.
-        memories: each row's new memory.
-        lo, hi: ``[n]`` the middle region [lo, hi) each selects from.
-        k: ``[n]`` how many positions each keeps per KV head.
-        sinks: ``[n]`` each row's S (its compact slots before the selected ones).
-        candidates: ``[n, T]`` bool, the middle region as a mask.
-        sink_positions: ``[n, S_max]`` positions of the sink entries (clamped where a row has
-            fewer).
-        groups: the rows that share a scorer and a selection rule.
-        previous_k: ``[n]`` K of the memory this refresh replaces (0: the first selection).
-        pins: ``[n]`` positions per KV head each row keeps pinned; ``pinning`` ``[n]`` bool:
-            this (first) selection chooses them.
-        evidence_bias: ``[n, W, T]`` causal and padding bias of the last W queries of a
-            multi-token forward (after prefill); None at a decode-time slow step.
-        evidence_windows: each row's W there (its ``evidence_window``, at most the forward's
-            queries).
-        pads: ``[n]`` each row's left padding (where its pages start, ``sfi.pages``).
-    """
-
-    rows: Rows
-    memories: tuple[Memory, ...]
-    lo: torch.Tensor
-    hi: torch.Tensor
-    k: torch.Tensor
-    sinks: torch.Tensor
-    candidates: torch.Tensor
-    sink_positions: torch.Tensor
-    groups: tuple[SelectionGroup, ...]
-    previous_k: torch.Tensor
-    pins: torch.Tensor
-    pinning: torch.Tensor
-    evidence_bias: torch.Tensor | None = None
-    pads: torch.Tensor | None = None
-    evidence_windows: tuple[int, ...] = ()
-
-    @property
-    def uniform_sink(self) -> int | None:
-        """S when every row has the same, else None."""
-        sinks = {m.sink for m in self.memories}
-        return sinks.pop() if len(sinks) == 1 else None
-
-
-@dataclass(frozen=True)
-class FastRows:
-    """The sequences that take a fast step in this forward.
-
-    Attributes:
-        rows: which sequences.
-        read_start: first cache position of the recent window read in place (min over rows).
-        recent_bias: ``[n, 1, 1, T - read_start]`` masks positions before each row's own
-            recent start, or None when every row starts at ``read_start``.
-        compact_bias: ``[n, 1, 1, C]`` masks the unused slots of the compact buffer.
-    """
-
-    rows: Rows
-    read_start: int
-    recent_bias: torch.Tensor | None
-    compact_bias: torch.Tensor
-
-
-@dataclass(frozen=True)
-class ProbedRows:
-    """The fast rows a group of coverage probes checks, and what every probe layer needs of them.
-
-    Attributes:
-        rows: which sequences.
-        fast_index: ``[n]`` their places among the step's fast rows.
-        lo, hi: ``[n]`` their middle regions [lo, hi); ``reach``: the largest ``hi``.
-        held: ``[n, C]`` bool, the compact slots that hold a selected position.
-    """
-
-    rows: Rows
-    fast_index: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
-    held: torch.Tensor
-    reach: int
-
-
-@dataclass(frozen=True)
-class Probe:
-    """A coverage probe of one layer: the rows it checks, the page size of its summaries, how
-    many of the best pages outside the memory it reads, and the attention share above which a
-    row refreshes (``sfi.coverage``). ``shift [B]``: where every row's pages start
-    (``sfi.pages.page_shift``; None: at position 0); ``aligned`` the same as Python ints, a key
-    for what the layers keep between steps."""
-
-    layer: int
-    page: int
-    top: int
-    threshold: float
-    target: ProbedRows
-    shift: torch.Tensor | None = None
-    aligned: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What every layer does in one forward pass, decided before it runs.
-
-    ``dense`` rows attend to the whole cache without refreshing; ``slow`` rows attend densely
-    and refresh their selection; ``fast`` rows read the compact buffer plus the recent window.
-    ``pad_bias [B, 1, 1, T]`` masks left padding and exact mode's holes wherever a row may read
-    densely (None when there are none or no row reads densely). ``compact_width`` is C, the
-    compact slots the layers hold after this step. ``reasons`` holds each slow row's refresh
-    reason.
-    """
-
-    query_length: int
-    total_length: int
-    decode: bool
-    kinds: tuple[str, ...]
-    reasons: tuple[str | None, ...]
-    tokens: tuple[int | None, ...]
-    dense: Rows
-    slow: SlowRows | None
-    fast: FastRows | None
-    pad_bias: torch.Tensor | None
-    compact_width: int
-    dense_layers: tuple[int, ...] = ()
-    probes: tuple[Probe, ...] = ()
-    phase: str | None = None
-    block_bias: torch.Tensor | None = None  # a verify's [B or 1, Q, T]: causal, pads, holes
-
-    def probes_at(self, layer_idx: int) -> list[Probe]:
-        """The coverage probes this layer runs (the fast rows they check, and how)."""
-        return [probe for probe in self.probes if probe.layer == layer_idx]
-
-    def dense_at(self, layer_idx: int) -> tuple[int, ...]:
-        """The slow and fast rows that read densely at ``layer_idx`` (one of their first
-        ``dense_layers`` layers)."""
-        return tuple(r for r, (d, kind) in enumerate(zip(self.dense_layers, self.kinds))
-                     if d > layer_idx and kind != DENSE)
-
-
-# Exact mode's phases (sfi.exact; None: a lossy step): a fast draft that changes no state, a
-# dense verify of the drafts (slow where a refresh is due), a dense step where drafts cannot pay
-DRAFT, VERIFY, DENSE_STEP = "draft", "verify", "dense-step"
-PHASES: tuple[str | None, ...] = (None, DRAFT, VERIFY, DENSE_STEP)
 
 TriggerFactory = Callable[[SFIConfig, int], RefreshTrigger]
 ScorerFactory = Callable[[SFIConfig], Scorer]
@@ -216,7 +82,7 @@ class Planner:
     # --- planning ---------------------------------------------------------------------------
     def plan(self, tokens: Sequence[int | None], query_length: int, past: int,
              device: torch.device, may_lag: bool = False, select: bool = True,
-             phase: str | None = None) -> StepPlan:
+             phase: str | None = None, redo: Redo | None = None) -> StepPlan:
         """Decide, per sequence, whether this forward is dense, slow or fast.
 
         ``tokens`` are the last input token of each row (what the triggers observe);
@@ -224,15 +90,16 @@ class Planner:
         asynchronous rebuilder), so the padding bias is needed even without dense rows;
         ``select=False`` makes a multi-token forward dense without a selection (a prompt chunk
         that more chunks follow). ``phase``: exact mode's (:data:`PHASES`; a verify's memory
-        is laid out at its first position).
+        is laid out at its first position). ``redo``: this decode step runs again, its rows'
+        kinds set by :meth:`Redo.kinds` (no probe runs: the rows still fast were checked).
         """
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}")
         total = past + query_length
         decode = query_length == 1 and past > 0
         memory_total = past + 1 if phase == VERIFY else total
-        kinds, reasons = [], []
-        for seq, token in zip(self.sequences, tokens):
+        kinds, reasons = redo.kinds() if redo is not None else ([], [])
+        for seq, token in zip(self.sequences if redo is None else (), tokens):
             kind, reason = self._decide(seq, token, total, memory_total, decode, select, phase)
             kinds.append(kind)
             reasons.append(reason)
@@ -253,7 +120,8 @@ class Planner:
                         if reads_densely else None,
                         compact_width=width,
                         dense_layers=tuple(s.config.dense_layers for s in self.sequences),
-                        probes=self._probes(fast_rows, width, device) if phase is None else (),
+                        probes=self._probes(fast_rows, width, device)
+                        if phase is None and redo is None else (),
                         phase=phase,
                         block_bias=block_bias(self.sequences, total, query_length, device)
                         if phase == VERIFY else None)
@@ -385,29 +253,48 @@ class Planner:
 
     # --- after the step ---------------------------------------------------------------------
     def commit(self, plan: StepPlan, lagged: dict[int, int], layers: Sequence[int],
-               missed: Collection[int] = ()) -> None:
+               missed: Collection[int] = (), redo: Redo | None = None) -> None:
         """Apply ``plan`` once its forward has run. ``layers`` are the model indices of the
         slow-fast layers; ``lagged[row]`` counts those at which a fast row read densely because
-        its rebuild was not ready; ``missed`` rows' memories lack a page a probe wanted."""
+        its rebuild was not ready; ``missed`` rows' memories lack a page a probe wanted;
+        ``redo``: ``plan`` was a step's second pass, committed as the whole step
+        (:meth:`Redo.merged`)."""
         if plan.phase in (DRAFT, DENSE_STEP):  # exact mode records these itself (sfi.exact)
             return
-        slow_memories = dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow \
-            else {}
-        for row, (seq, kind) in enumerate(zip(self.sequences, plan.kinds)):
+        kinds, reasons, slow_memories = redo.merged(plan) if redo is not None else (
+            plan.kinds, plan.reasons,
+            dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow else {})
+        for row, (seq, kind) in enumerate(zip(self.sequences, kinds)):
             read = None
             if plan.decode and kind == FAST:
                 read = fast_read_fraction(seq, plan.total_length, layers, lagged.get(row, 0))
             record_step(seq, kind, decode=plan.decode, token=plan.tokens[row],
-                        memory=slow_memories.get(row), reason=plan.reasons[row], read=read,
+                        memory=slow_memories.get(row), reason=reasons[row], read=read,
                         lagged=row in lagged)
             if kind != SLOW and row in missed:
                 seq.coverage_miss = True
-        self.compact_width = plan.compact_width
+        widths = (plan.compact_width, redo.first.compact_width if redo is not None else 0)
+        self.compact_width = max(widths)
 
-    def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:
-        """Per row, what the step did: ``plan.kinds`` with lagging fast rows as ``lagged``."""
+    def redo_rows(self, plan: StepPlan, missed: Collection[int]) -> frozenset[int]:
+        """The rows of a decode step ``plan`` to do again at once (:class:`Redo`): fast rows
+        whose probes flagged their memory, whose configuration asks for it
+        (``coverage_retry``) and whose coverage refresh is due (``coverage_gap``)."""
+        if plan.phase is not None or not plan.decode:
+            return frozenset()
+        return frozenset(
+            row for row in missed if plan.kinds[row] == FAST
+            and self.sequences[row].config.coverage_retry
+            and self.sequences[row].steps_since_refresh + 1
+            >= self.sequences[row].config.coverage_gap)
+
+    def executed_kinds(self, plan: StepPlan, lagged: dict[int, int],
+                       redo: Redo | None = None) -> tuple[str, ...]:
+        """Per row, what the step did: ``plan.kinds`` (a redone step's merged kinds) with
+        lagging fast rows as ``lagged``."""
+        kinds = redo.merged(plan)[0] if redo is not None else plan.kinds
         return tuple(LAGGED if kind == FAST and row in lagged else kind
-                     for row, kind in enumerate(plan.kinds))
+                     for row, kind in enumerate(kinds))
 
     # --- continuous batching ----------------------------------------------------------------
     def shift(self, amount: int) -> None:

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 ENV = "SFI_VLLM"
 DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries per layer)
 EXACT_FIELDS = ("draft_tokens", "draft_min", "draft_max", "draft_fallback")  # sfi.exact's
+#: fields whose behaviour is the transformers path's alone: a step done again
+REDO_FIELDS = ("coverage_retry",)
 
 
 def parse_config(spec: str) -> SFIConfig:
@@ -48,7 +50,16 @@ def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
                              "vLLM plugin does not run (exact mode is sfi.generate's and "
                              "sfi generate's)")
     config = SFIConfig.from_preset(preset, **overrides)
+    refuse_redo(config, where=f"{ENV}: ")
     return config, slots
+
+
+def refuse_redo(config: SFIConfig, where: str = "") -> None:
+    """Refuse, naming it, a field of :data:`REDO_FIELDS` that ``config`` turns on."""
+    redo = [name for name in REDO_FIELDS if getattr(config, name)]
+    if redo:
+        raise SFIConfigError(f"{where}{', '.join(redo)} does a step again, which the vLLM "
+                             "plugin does not (vLLM schedules each step once)")
 
 
 @dataclass
@@ -95,4 +106,6 @@ def configure(config: SFIConfig | None, slots: int | None = None) -> None:
     ``slots``: see :func:`parse_settings`."""
     if slots is not None and slots < 1:
         raise SFIConfigError(f"slots must be >= 1, got {slots}")
+    if config is not None:
+        refuse_redo(config)
     _STATE.config, _STATE.slots, _STATE.book = config, slots, None
