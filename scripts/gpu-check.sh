@@ -77,6 +77,7 @@ PY
 }
 
 hf() {  # the transformers path on CUDA: invariants, then sfi bench (one shape, or two)
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # sfi from this tree, not installed
     mkdir -p "$OUT" "$MODELS"
     rm -f "$OUT"/rows-*.jsonl
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt" \
@@ -87,7 +88,7 @@ hf() {  # the transformers path on CUDA: invariants, then sfi bench (one shape, 
     [ "${LARGE:-0}" = 1 ] && shapes="$shapes qwen3-4b"
     [ -n "${TOKENIZER:-}" ] && tokenizer=(--tokenizer "$TOKENIZER")
     for shape in $shapes; do
-        "$PY" scripts/random_model.py "$shape" "$MODELS/$shape-random" "${tokenizer[@]}"
+        "$PY" scripts/random_model.py "$shape" "$MODELS/$shape-random" ${tokenizer[@]+"${tokenizer[@]}"}
     done
     echo "== 1. sfi's invariants on CUDA (fp32, qwen2.5-0.5b-shaped)   $(date +%T)"
     timeout "${TEST_TIMEOUT:-150}" "$PY" scripts/cuda_check.py "$MODELS/qwen2.5-0.5b-random" \

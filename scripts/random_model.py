@@ -17,6 +17,7 @@ import torch
 
 # Shapes of public configs (hidden, intermediate, layers, heads, KV heads, head size, vocab).
 SHAPES = {
+    # (the packaged Qwen2.5-Coder-0.5B-Instruct's own config: its output layer is not tied)
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                          rope_theta=1_000_000.0, tie_word_embeddings=False,

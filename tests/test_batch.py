@@ -49,17 +49,19 @@ def test_batched_logits_equal_unbatched_with_different_refresh_steps():
                                        msg=f"row {row} step {step}")
 
 
-def test_a_step_done_again_for_some_rows_leaves_each_row_as_alone():
+@pytest.mark.parametrize("gap", [1, 2])
+def test_a_step_done_again_for_some_rows_leaves_each_row_as_alone(gap):
     """coverage_retry runs a step again when a row's probes flag it: the batch's other rows
     (fast, or slow with their refresh done already) give their own logits in that pass, and
-    the flagged row what it gives alone."""
+    the flagged row what it gives alone; a row flagged before its coverage refresh is due
+    (``coverage_gap`` 2) keeps its flag through another row's redo."""
     model = tiny_model("qwen3")
     g = torch.Generator().manual_seed(5)
     long, short = torch.randint(1, 256, (1, 70), generator=g), torch.randint(1, 256, (1, 45),
                                                                                generator=g)
     ids, mask = _padded(long, short)
     retry = dict(CONFIG, trigger="random", random_period_min=3, random_period_max=8,
-                 page_size=4, coverage_layers=2, coverage_threshold=0.4, coverage_gap=1,
+                 page_size=4, coverage_layers=2, coverage_threshold=0.4, coverage_gap=gap,
                  coverage_retry=True)
     batch = lockstep(model, ids, SFIConfig(**retry), steps=20, attention_mask=mask)
     assert any(k[0] != k[1] for k in batch.kinds)

@@ -231,6 +231,26 @@ def test_coverage_retry_takes_the_flagged_step_densely(retry):
         assert kinds == ["slow", "fast"] * 5 + ["slow"] and coverage == 5
 
 
+def test_a_flag_outlives_another_rows_redo(monkeypatch):
+    """A row whose probes flag its memory but which is not done again (here: redo_rows keeps
+    row 0 alone) keeps its flag through row 0's second pass and refreshes at its next step,
+    as without coverage_retry."""
+    from sfi.planner import Planner
+
+    redo_rows = Planner.redo_rows
+    monkeypatch.setattr(Planner, "redo_rows",
+                        lambda self, plan, missed: redo_rows(self, plan, missed) & {0})
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(3))
+    config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, trigger="fixed",
+                       period=50, page_size=4, coverage_layers=2, coverage_threshold=0.0,
+                       coverage_gap=1, coverage_retry=True)
+    run = lockstep(model, ids, config, steps=10)
+    assert [k[0] for k in run.kinds] == ["slow"] * 11  # row 0: every step done again
+    assert [k[1] for k in run.kinds] == ["slow", "fast"] * 5 + ["slow"]  # row 1: as before
+    assert run.cache.stats(1).refresh_reasons["coverage"] == 5
+
+
 def test_incremental_page_summaries_equal_summarising_from_scratch():
     """Both engines' probes keep page bounds this way (the slab per layer, the vLLM plugin per
     request): update by update, grown past their room, with shifted pages and after a cut,

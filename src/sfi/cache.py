@@ -129,11 +129,11 @@ class SlowFastCache(WritesInAttention, Cache):
             raise SFIError(f"this SlowFastCache holds {len(self.planner.sequences)} sequences; a "
                            f"forward with batch size {batch_size} cannot continue it")
         self.rebuilder.discard()  # refreshes of a forward that raised before its end
+        redo, self._redo = self._redo, None  # (the next forward's alone, even if it raises)
         tokens = input_ids[:, -1].tolist() if input_ids is not None else [None] * batch_size
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,
-                                 select=not self.prompt_continues, phase=self.phase,
-                                 redo=self._redo)
+                                 select=not self.prompt_continues, phase=self.phase, redo=redo)
         return StepContext(layers=self.attention, plan=plan, rebuilder=self.rebuilder)
 
     def end_forward(self, step: StepContext) -> bool:
@@ -146,16 +146,15 @@ class SlowFastCache(WritesInAttention, Cache):
         for attention in self._attending():
             attention.settle()  # commit what is ready (inside the forward's inference mode)
         step.missed.update(step.coverage.missing())
-        redo, self._redo = self._redo, None
-        if redo is None and step.missed and self._rewindable():
+        if plan.redo is None and step.missed and self._rewindable():
             flagged = self.planner.redo_rows(plan, step.missed)
             if flagged:
                 for layer in self._sfi_layers():
                     layer.truncate(plan.total_length - plan.query_length)
-                self._redo = Redo(plan, flagged)
+                self._redo = Redo(plan, flagged, frozenset(step.missed))
                 return True
-        self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed, redo)
-        self._kinds = self.planner.executed_kinds(plan, step.lagged, redo)
+        self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
+        self._kinds = self.planner.executed_kinds(plan, step.lagged)
         return False
 
     def _start(self, batch_size: int, attention_mask: torch.Tensor | None,

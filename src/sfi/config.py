@@ -188,7 +188,9 @@ class SFIConfig:
     coverage_retry: bool = False
     """Coverage probes: a fast step whose probes flag a row is done again at once as that
     row's slow step (its token then comes from dense attention and the refresh), instead of
-    refreshing at the next step; the flagged fast forward is spent (transformers path)."""
+    refreshing at the next step; the flagged fast forward is spent and not counted in the read
+    fraction (transformers path; models whose layers all attend fully, elsewhere the row
+    refreshes at its next step)."""
 
     # --- exact mode (``mode="exact"``: fast steps draft, one dense forward verifies) ---
     draft_tokens: int = 4

@@ -148,6 +148,7 @@ class StepPlan:
     probes: tuple[Probe, ...] = ()
     phase: str | None = None
     block_bias: torch.Tensor | None = None  # a verify's [B or 1, Q, T]: causal, pads, holes
+    redo: Redo | None = None  # this forward does a decode step again (coverage_retry)
 
     def probes_at(self, layer_idx: int) -> list[Probe]:
         """The coverage probes this layer runs (the fast rows they check, and how)."""
@@ -170,13 +171,15 @@ PHASES: tuple[str | None, ...] = (None, DRAFT, VERIFY, DENSE_STEP)
 class Redo:
     """A decode step done again at once (``SFIConfig.coverage_retry``): ``first`` is the plan
     that ran, ``flagged`` the fast rows whose coverage probes found their memory missing
-    attention mass. In the second pass the flagged rows take the slow step the probes asked
-    for (reason ``coverage``); the first pass's slow rows, whose refresh is in place already,
-    attend densely (what their slow step computed); every other row does what it did, with the
-    same result."""
+    attention mass and which are done again, ``missed`` every row the probes flagged (a row
+    whose coverage refresh is not due yet keeps its flag, as without the redo). In the second
+    pass the flagged rows take the slow step the probes asked for (reason ``coverage``); the
+    first pass's slow rows, whose refresh is in place already, attend densely (what their slow
+    step computed); every other row does what it did, with the same result."""
 
     first: StepPlan
     flagged: frozenset[int]
+    missed: frozenset[int] = frozenset()
 
     def kinds(self) -> tuple[list[str], list[str | None]]:
         """Each row's kind and refresh reason in the second pass."""

@@ -124,7 +124,7 @@ class Planner:
                         if phase is None and redo is None else (),
                         phase=phase,
                         block_bias=block_bias(self.sequences, total, query_length, device)
-                        if phase == VERIFY else None)
+                        if phase == VERIFY else None, redo=redo)
 
     @staticmethod
     def _decide(seq: SequenceState, token: int | None, total: int, memory_total: int,
@@ -253,14 +253,17 @@ class Planner:
 
     # --- after the step ---------------------------------------------------------------------
     def commit(self, plan: StepPlan, lagged: dict[int, int], layers: Sequence[int],
-               missed: Collection[int] = (), redo: Redo | None = None) -> None:
+               missed: Collection[int] = ()) -> None:
         """Apply ``plan`` once its forward has run. ``layers`` are the model indices of the
         slow-fast layers; ``lagged[row]`` counts those at which a fast row read densely because
-        its rebuild was not ready; ``missed`` rows' memories lack a page a probe wanted;
-        ``redo``: ``plan`` was a step's second pass, committed as the whole step
-        (:meth:`Redo.merged`)."""
+        its rebuild was not ready; ``missed`` rows' memories lack a page a probe wanted. A
+        step's second pass (``plan.redo``) is committed as the whole step
+        (:meth:`Redo.merged`), with the first pass's flags."""
         if plan.phase in (DRAFT, DENSE_STEP):  # exact mode records these itself (sfi.exact)
             return
+        redo = plan.redo
+        if redo is not None:
+            missed = set(missed) | redo.missed
         kinds, reasons, slow_memories = redo.merged(plan) if redo is not None else (
             plan.kinds, plan.reasons,
             dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow else {})
@@ -288,11 +291,10 @@ class Planner:
             and self.sequences[row].steps_since_refresh + 1
             >= self.sequences[row].config.coverage_gap)
 
-    def executed_kinds(self, plan: StepPlan, lagged: dict[int, int],
-                       redo: Redo | None = None) -> tuple[str, ...]:
+    def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:
         """Per row, what the step did: ``plan.kinds`` (a redone step's merged kinds) with
         lagging fast rows as ``lagged``."""
-        kinds = redo.merged(plan)[0] if redo is not None else plan.kinds
+        kinds = plan.redo.merged(plan)[0] if plan.redo is not None else plan.kinds
         return tuple(LAGGED if kind == FAST and row in lagged else kind
                      for row, kind in enumerate(kinds))
 

@@ -214,7 +214,7 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
                 time_mode(llm, mode, cell)
             close_engine(llm)
             del llm  # (before the next engine takes the memory)
-    bandwidth = measure_bandwidth() if own_engine else None
+    bandwidth = measure_bandwidth(device=model.device) if own_engine else None
     rows: list[EngineRow] = []
     for context, batch in cells:
         cell = measured[(context, batch)]
