@@ -209,17 +209,23 @@ def test_page_summaries_follow_the_cache_as_it_grows():
     assert first[0].shape[2] == 5 and low.shape[2] == 7
 
 
+def _every_memory_flagged(rows: int, retry: bool):
+    """Ten lockstep steps of ``rows`` sequences of a tiny Llama whose coverage probes flag
+    every fast memory (threshold 0, a refresh allowed at every step)."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (rows, 80), generator=torch.Generator().manual_seed(3))
+    config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, trigger="fixed",
+                       period=50, page_size=4, coverage_layers=2, coverage_threshold=0.0,
+                       coverage_gap=1, coverage_retry=retry)
+    return lockstep(model, ids, config, steps=10)
+
+
 @pytest.mark.parametrize("retry", [False, True])
 def test_coverage_retry_takes_the_flagged_step_densely(retry):
     """With probes that flag every fast memory, a flagged step refreshes at the next step; with
     coverage_retry the flagged step itself is done again as its slow step, so every step is
     full attention's, and the cache holds each position once."""
-    model = tiny_model("llama")
-    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))
-    config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, trigger="fixed",
-                       period=50, page_size=4, coverage_layers=2, coverage_threshold=0.0,
-                       coverage_gap=1, coverage_retry=retry)
-    run = lockstep(model, ids, config, steps=10)
+    run = _every_memory_flagged(1, retry)
     kinds = [k[0] for k in run.kinds]
     assert run.cache.get_seq_length() == run.reference.get_seq_length() == 90
     coverage = run.cache.stats().refresh_reasons["coverage"]
@@ -240,12 +246,7 @@ def test_a_flag_outlives_another_rows_redo(monkeypatch):
     redo_rows = Planner.redo_rows
     monkeypatch.setattr(Planner, "redo_rows",
                         lambda self, plan, missed: redo_rows(self, plan, missed) & {0})
-    model = tiny_model("llama")
-    ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(3))
-    config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, trigger="fixed",
-                       period=50, page_size=4, coverage_layers=2, coverage_threshold=0.0,
-                       coverage_gap=1, coverage_retry=True)
-    run = lockstep(model, ids, config, steps=10)
+    run = _every_memory_flagged(2, True)
     assert [k[0] for k in run.kinds] == ["slow"] * 11  # row 0: every step done again
     assert [k[1] for k in run.kinds] == ["slow", "fast"] * 5 + ["slow"]  # row 1: as before
     assert run.cache.stats(1).refresh_reasons["coverage"] == 5
