@@ -146,13 +146,12 @@ class SlowFastCache(WritesInAttention, Cache):
         for attention in self._attending():
             attention.settle()  # commit what is ready (inside the forward's inference mode)
         step.missed.update(step.coverage.missing())
-        if plan.redo is None and step.missed and self._rewindable():
-            flagged = self.planner.redo_rows(plan, step.missed)
-            if flagged:
-                for layer in self._sfi_layers():
-                    layer.truncate(plan.total_length - plan.query_length)
-                self._redo = Redo(plan, flagged, frozenset(step.missed))
-                return True
+        flagged = self.planner.redo_rows(plan, step.missed) if plan.redo is None else ()
+        if flagged and self._rewindable():
+            for layer in self._sfi_layers():
+                layer.truncate(plan.total_length - plan.query_length)
+            self._redo = Redo(plan, flagged, frozenset(step.missed))
+            return True
         self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
         self._kinds = self.planner.executed_kinds(plan, step.lagged)
         return False

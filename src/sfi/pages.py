@@ -98,10 +98,11 @@ class PageSummaries:
         self.done = min(self.done, length)
 
     def update(self, keys: torch.Tensor, shift: torch.Tensor | None = None,
-               room: int = 0) -> PageSummaries:
+               capacity: int = 0) -> PageSummaries:
         """Summarise ``keys [B, H, T, D]`` (the cache's first T positions; ``shift [B]``, the
         tensor of :attr:`shift`): the page that was partial at :attr:`done` and those after
-        it; nothing when ``T <= done``. The tensors grow to hold at least ``room`` pages."""
+        it; nothing when ``T <= done``. When the tensors grow, they make room for the pages of
+        ``capacity`` positions (the cache's own room) and one more."""
         t = keys.shape[-2]
         if self.low is not None and self.done >= t:
             return self
@@ -109,7 +110,7 @@ class PageSummaries:
         first = self.done // self.page
         if self.low is None or self.low.shape[2] < count:
             b, h, _, d = keys.shape
-            size = max(count, room)
+            size = max(count, page_count(capacity, self.page, shift) + 1 if capacity else 0)
             low = keys.new_full((b, h, size, d), float("inf"), dtype=torch.float32)
             high = torch.full_like(low, float("-inf"))
             boxes = low.new_zeros(b, h, size, 2 * d)

@@ -150,6 +150,14 @@ class StepPlan:
     block_bias: torch.Tensor | None = None  # a verify's [B or 1, Q, T]: causal, pads, holes
     redo: Redo | None = None  # this forward does a decode step again (coverage_retry)
 
+    def outcome(self) -> tuple[tuple[str, ...], tuple[str | None, ...], dict[int, Memory]]:
+        """What the step did, to commit: each row's kind and refresh reason, and the new
+        memory of every slow row (a second pass's, :meth:`Redo.merged` with the first's)."""
+        memories = dict(zip(self.slow.rows.indices, self.slow.memories)) if self.slow else {}
+        if self.redo is None:
+            return self.kinds, self.reasons, memories
+        return self.redo.merged(self.kinds, self.reasons, memories)
+
     def probes_at(self, layer_idx: int) -> list[Probe]:
         """The coverage probes this layer runs (the fast rows they check, and how)."""
         return [probe for probe in self.probes if probe.layer == layer_idx]
@@ -194,12 +202,12 @@ class Redo:
                 reasons.append(None)
         return kinds, reasons
 
-    def merged(self, plan: StepPlan) -> tuple[tuple[str, ...], tuple[str | None, ...],
-                                              dict[int, Memory]]:
-        """What the step did, to commit, from the second pass's ``plan``: its kinds, with the
-        first pass's slow rows slow again; the reasons; the new memory of every slow row."""
-        kinds, reasons = list(plan.kinds), list(plan.reasons)
-        memories = dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow else {}
+    def merged(self, kinds: tuple[str, ...], reasons: tuple[str | None, ...],
+               memories: dict[int, Memory]) -> tuple[tuple[str, ...], tuple[str | None, ...],
+                                                     dict[int, Memory]]:
+        """The step as it counts, from the second pass's ``kinds``, ``reasons`` and slow rows'
+        ``memories``: the first pass's slow rows slow again, with their reasons and memories."""
+        kinds, reasons, memories = list(kinds), list(reasons), dict(memories)
         first = self.first
         if first.slow is not None:
             for row, memory in zip(first.slow.rows.indices, first.slow.memories):

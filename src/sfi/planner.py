@@ -98,11 +98,12 @@ class Planner:
         total = past + query_length
         decode = query_length == 1 and past > 0
         memory_total = past + 1 if phase == VERIFY else total
-        kinds, reasons = redo.kinds() if redo is not None else ([], [])
-        for seq, token in zip(self.sequences if redo is None else (), tokens):
-            kind, reason = self._decide(seq, token, total, memory_total, decode, select, phase)
-            kinds.append(kind)
-            reasons.append(reason)
+        if redo is not None:
+            kinds, reasons = redo.kinds()
+        else:
+            decided = [self._decide(seq, token, total, memory_total, decode, select, phase)
+                       for seq, token in zip(self.sequences, tokens)]
+            kinds, reasons = [k for k, _ in decided], [r for _, r in decided]
         slow_rows = [r for r, k in enumerate(kinds) if k == SLOW]
         fast_rows = [r for r, k in enumerate(kinds) if k == FAST]
         dense_rows = [r for r, k in enumerate(kinds) if k == DENSE]
@@ -264,9 +265,7 @@ class Planner:
         redo = plan.redo
         if redo is not None:
             missed = set(missed) | redo.missed
-        kinds, reasons, slow_memories = redo.merged(plan) if redo is not None else (
-            plan.kinds, plan.reasons,
-            dict(zip(plan.slow.rows.indices, plan.slow.memories)) if plan.slow else {})
+        kinds, reasons, slow_memories = plan.outcome()
         for row, (seq, kind) in enumerate(zip(self.sequences, kinds)):
             read = None
             if plan.decode and kind == FAST:
@@ -285,18 +284,16 @@ class Planner:
         (``coverage_retry``) and whose coverage refresh is due (``coverage_gap``)."""
         if plan.phase is not None or not plan.decode:
             return frozenset()
-        return frozenset(
-            row for row in missed if plan.kinds[row] == FAST
-            and self.sequences[row].config.coverage_retry
-            and self.sequences[row].steps_since_refresh + 1
-            >= self.sequences[row].config.coverage_gap)
+        seqs = self.sequences
+        return frozenset(row for row in missed if plan.kinds[row] == FAST
+                         and seqs[row].config.coverage_retry
+                         and seqs[row].steps_since_refresh + 1 >= seqs[row].config.coverage_gap)
 
     def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:
         """Per row, what the step did: ``plan.kinds`` (a redone step's merged kinds) with
         lagging fast rows as ``lagged``."""
-        kinds = plan.redo.merged(plan)[0] if plan.redo is not None else plan.kinds
         return tuple(LAGGED if kind == FAST and row in lagged else kind
-                     for row, kind in enumerate(kinds))
+                     for row, kind in enumerate(plan.outcome()[0]))
 
     # --- continuous batching ----------------------------------------------------------------
     def shift(self, amount: int) -> None:

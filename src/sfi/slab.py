@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from sfi.errors import SFIError
-from sfi.pages import PageSummaries, page_count
+from sfi.pages import PageSummaries
 from sfi.rows import Rows
 from sfi.scorers import key_norms_of
 
@@ -205,8 +205,7 @@ class SlabLayer(CacheLayerMixin):
             aligned = tuple(shift.tolist())
         if self._pages is None or not self._pages.matches(page, aligned):
             self._pages = PageSummaries(page, aligned)
-        return self._pages.update(self.keys[:, :, :t], shift,
-                                  room=page_count(self.capacity, page, shift) + 1)
+        return self._pages.update(self.keys[:, :, :t], shift, capacity=self.capacity)
 
     def _grow(self, needed: int) -> None:
         """Room for ``needed`` positions: a quarter more than now (at least 256 more), so that a
