@@ -16,10 +16,10 @@ import torch
 
 from sfi.bench.throughput import benchmark_ids, make_bench_cache
 from sfi.config import SFIConfig
+from sfi.decode_step import decode_one
 from sfi.models import load
 from sfi.prefill import prefill
 from sfi.prefix import prefix_kv
-from sfi.steps import decode_one
 
 torch.set_num_threads(2)
 context, batch, reps = ([int(a) for a in sys.argv[1:4]] + [16384, 1, 12][len(sys.argv) - 1:])[:3]

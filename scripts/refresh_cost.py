@@ -25,9 +25,9 @@ def own_engine(context: int, batch: int, steps: int) -> None:
     import sfi
     from sfi.bench.throughput import benchmark_ids, make_bench_cache
     from sfi.config import SFIConfig
+    from sfi.decode_step import decode_one
     from sfi.prefill import prefill
     from sfi.prefix import prefix_kv
-    from sfi.steps import decode_one
 
     model, tokenizer = sfi.load("default")
     config = SFIConfig(**SFI)

@@ -22,13 +22,13 @@ from dataclasses import replace
 import torch
 
 import sfi
-from sfi import layer_attention, selection
+from sfi import layer_attention, refresh_selection
 from sfi.bench.throughput import benchmark_ids, make_bench_cache
 from sfi.config import SFIConfig
+from sfi.decode_step import decode_one
 from sfi.prefill import prefill
 from sfi.prefix import prefix_kv
 from sfi.selector import SFISelector
-from sfi.steps import decode_one
 
 spent: dict[str, float] = {}
 
@@ -81,7 +81,7 @@ def main() -> None:
     timed(layer_attention, "dense_attention", "  dense attention")
     timed(layer_attention.SlowFastAttention, "_refresh", "  refresh")
     timed(SFISelector, "score", "    Selector scoring")
-    timed(selection, "select", "    selection (scoring included)")
+    timed(refresh_selection, "select", "    selection (scoring included)")
     timed(layer_attention.SlowFastAttention, "_probe_coverage", "  coverage probes")
     config = replace(SFIConfig(), trigger="fixed", period=2)
     rows = steps(model, tokenizer, config, args.context, args.batch, args.steps)

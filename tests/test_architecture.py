@@ -72,40 +72,44 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 # what either engine's own mechanics are made of
-LOOP = {"sfi.decode", "sfi.prefill", "sfi.steps", "sfi.stopping"}  # the transformers loop
-ENGINES = {"sfi.cache", "sfi.layer_attention", "sfi.slab", "sfi.hf", "sfi.attention", *LOOP,
-           "sfi.vllm.backend", "sfi.vllm.impl", "sfi.vllm.metadata", "sfi.vllm.requests"}
-TRANSFORMERS_PATH = {"sfi.planner", "sfi.layer_attention", "sfi.slab", "sfi.cache", "sfi.hf",
-                     *LOOP, "sfi.methods", "sfi.bench", "sfi.bench.throughput",
+LOOP = {"sfi.decode", "sfi.prefill", "sfi.decode_step", "sfi.stopping"}  # the transformers loop
+ENGINES = {"sfi.slowfast_cache", "sfi.layer_attention", "sfi.slab", "sfi.hf", "sfi.attention",
+           *LOOP, "sfi.vllm.backend", "sfi.vllm.impl", "sfi.vllm.metadata", "sfi.vllm.requests"}
+TRANSFORMERS_PATH = {"sfi.planner", "sfi.layer_attention", "sfi.slab", "sfi.slowfast_cache",
+                     "sfi.hf", *LOOP, "sfi.methods", "sfi.bench", "sfi.bench.throughput",
                      "sfi.bench.vllm", "sfi.eval", "sfi.eval.runner", "sfi.eval.fidelity"}
 
 # what the KV storage must not know of: it is told what to store and read
 STORAGE_MUST_NOT_SEE = {"sfi.planner", "sfi.layer_attention", "sfi.attention", "sfi.context",
-                        "sfi.overlap", "sfi.sequence", "sfi.selection", "sfi.selector",
-                        "sfi.coverage", "sfi.triggers", "sfi.cache", "sfi.methods", *LOOP}
+                        "sfi.overlap", "sfi.sequence_policy", "sfi.refresh_selection",
+                        "sfi.selector", "sfi.coverage", "sfi.triggers", "sfi.slowfast_cache",
+                        "sfi.methods", *LOOP}
 
 
 @pytest.mark.parametrize("module, forbidden", [
     # the attention function imports neither cache: layers bring their own attend()
-    ("sfi.attention", {"sfi.cache", "sfi.eviction.cache", "sfi.layer_attention",
+    ("sfi.attention", {"sfi.slowfast_cache", "sfi.eviction.masked_cache", "sfi.layer_attention",
                        "sfi.eviction.layer"}),
     # the Selector and the scorers know nothing of caches, layers or decoding
-    ("sfi.selector", {"sfi.cache", "sfi.layer_attention", "sfi.planner", "sfi.hf", *LOOP}),
-    ("sfi.scorers.registry", {"sfi.cache", "sfi.layer_attention", "sfi.planner", *LOOP}),
+    ("sfi.selector", {"sfi.slowfast_cache", "sfi.layer_attention", "sfi.planner", "sfi.hf",
+                      *LOOP}),
+    ("sfi.scorers.registry", {"sfi.slowfast_cache", "sfi.layer_attention", "sfi.planner", *LOOP}),
     # the planner decides from state and tokens only
-    ("sfi.planner", {"sfi.cache", "sfi.layer_attention", "sfi.hf", "sfi.attention", *LOOP}),
+    ("sfi.planner", {"sfi.slowfast_cache", "sfi.layer_attention", "sfi.hf", "sfi.attention",
+                     *LOOP}),
     # the sequence policy and the selection are engine-neutral: both engines call them
-    ("sfi.sequence", ENGINES | {"sfi.planner", "sfi.kernels", "sfi.selection"}),
-    ("sfi.selection", ENGINES | {"sfi.planner", "sfi.sequence"}),
+    ("sfi.sequence_policy", ENGINES | {"sfi.planner", "sfi.kernels", "sfi.refresh_selection"}),
+    ("sfi.refresh_selection", ENGINES | {"sfi.planner", "sfi.sequence_policy"}),
     # a layer's attention never sees its cache
-    ("sfi.layer_attention", {"sfi.cache", "sfi.methods", *LOOP}),
+    ("sfi.layer_attention", {"sfi.slowfast_cache", "sfi.methods", *LOOP}),
     # storage only stores: nothing of the plan, the step, the policy or the refresh
     ("sfi.slab", STORAGE_MUST_NOT_SEE),
     # the vLLM plugin shares the core, not the transformers path's batch plan or tensors
     *[(module, TRANSFORMERS_PATH) for module in
       ("sfi.vllm.requests", "sfi.vllm.paged", "sfi.vllm.metadata", "sfi.vllm.impl",
        "sfi.vllm.backend", "sfi.vllm.settings", "sfi.vllm")],
-    ("sfi.eviction.layer", {"sfi.eviction.cache", "sfi.eviction.policies", "sfi.cache"}),
+    ("sfi.eviction.layer", {"sfi.eviction.masked_cache", "sfi.eviction.policies",
+                            "sfi.slowfast_cache"}),
 ])
 def test_layering(module, forbidden):
     assert not reachable(import_graph(), module) & forbidden

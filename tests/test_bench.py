@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 from test_cli import run_cli_here
 
-from sfi import SFIConfig, SFIError, layout
+from sfi import SFIConfig, SFIError, weight_layout
 from sfi import load as sfi_load
 from sfi.bench.formats import run_weight_formats
 from sfi.bench.plots import exact_points
@@ -24,7 +24,7 @@ from sfi.bench.throughput import (
     weight_bytes,
 )
 from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
-from sfi.layout import PackedLinear, prefer_decode_layout
+from sfi.weight_layout import PackedLinear, prefer_decode_layout
 
 ROW_FIELDS = {"mode", "context", "batch", "decode_tok_s", "fast_step_ms", "slow_step_ms",
               "slow_fraction", "fast_fraction", "speedup_vs_full", "floor_ms"}
@@ -131,7 +131,7 @@ def _logits(model):
         return model(input_ids=ids).logits
 
 
-@pytest.mark.skipif(not layout.format_runs("native", torch.float32),
+@pytest.mark.skipif(not weight_layout.format_runs("native", torch.float32),
                     reason="no oneDNN packing on this CPU")
 def test_decode_layout_packs_linears_without_changing_results(smol_tokenizer):
     model = _tied_tiny_llama(smol_tokenizer)
@@ -156,7 +156,7 @@ def test_decode_layout_packs_linears_without_changing_results(smol_tokenizer):
 
 
 def test_decode_layout_transposes_wide_weights_without_onednn(smol_tokenizer, monkeypatch):
-    monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
+    monkeypatch.setattr(weight_layout, "format_runs", lambda weights, dtype: False)
     model = _tied_tiny_llama(smol_tokenizer)
     before = _logits(model)
     changed = prefer_decode_layout(model)
@@ -168,7 +168,7 @@ def test_decode_layout_transposes_wide_weights_without_onednn(smol_tokenizer, mo
     torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=1e-5)
 
 
-needs_bf16 = pytest.mark.skipif(not layout.format_runs("bf16", torch.float32),
+needs_bf16 = pytest.mark.skipif(not weight_layout.format_runs("bf16", torch.float32),
                                 reason="bf16 weights need x86 with oneDNN")
 
 
@@ -191,8 +191,8 @@ def test_weight_formats_are_refused_by_name_where_they_cannot_run(monkeypatch):
     model = tiny_model("llama")
     with pytest.raises(SFIError, match="unknown weight format 'fp8'"):
         prefer_decode_layout(model, "fp8")
-    monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
-    monkeypatch.setattr(layout.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(weight_layout, "format_runs", lambda weights, dtype: False)
+    monkeypatch.setattr(weight_layout.platform, "machine", lambda: "aarch64")
     with pytest.raises(SFIError, match="weights='bf16' needs an x86 CPU"):
         prefer_decode_layout(model, "bf16")
     with pytest.raises(SFIError, match="needs device='cpu' and decode_layout=True"):
@@ -244,7 +244,7 @@ def test_checking_a_format_leaves_the_callers_random_stream_alone():
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    layout.format_runs.__wrapped__("native", torch.float32)  # the uncached check
+    weight_layout.format_runs.__wrapped__("native", torch.float32)  # the uncached check
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -330,7 +330,7 @@ def test_llama_cpp_rows_run_each_flash_attention_setting_and_say_which(tmp_path,
 
 def test_step_rates_count_the_rows_decode_steps():
     from sfi.bench.throughput import step_rates
-    from sfi.stats import DecodeStats
+    from sfi.decode_stats import DecodeStats
 
     stats = DecodeStats(fast_steps=5, slow_steps=2, dense_steps=1)
     stats.refresh_reasons.update(coverage=1, sentence=1)

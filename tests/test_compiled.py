@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfi import SFIConfig, layout
+from sfi import SFIConfig, weight_layout
 from sfi.compiled import compile_decode, compiled_forward, eager_decode
+from sfi.decode_step import decode_one
 from sfi.methods import build_cache
 from sfi.prefill import prefill
-from sfi.steps import decode_one
 
 STEPS = 12
 
 # inductor builds C++ for the CPU: where it cannot (no compiler), the int8 probe says so too
-pytestmark = pytest.mark.skipif(not layout.format_runs("int8", torch.float32),
+pytestmark = pytest.mark.skipif(not weight_layout.format_runs("int8", torch.float32),
                                 reason="torch.compile's inductor cannot build here")
 
 

@@ -12,7 +12,7 @@ from helpers import lockstep
 from sfi import SFIConfig
 from sfi.config import SFIConfigError
 from sfi.decode import GenerateResult, Timing
-from sfi.stats import DecodeStats
+from sfi.decode_stats import DecodeStats
 
 
 def test_sparse_reads_start_where_a_fast_step_skips_min_skip_entries():

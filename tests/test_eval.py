@@ -261,8 +261,8 @@ def test_a_stored_prefill_is_read_back_and_continues_the_same(tiny_llama_with_to
 def test_each_weight_format_keeps_its_own_prefill(other):
     from conftest import tiny_model
 
-    from sfi.layout import format_runs, prefer_decode_layout
     from sfi.prefix import prefill_key
+    from sfi.weight_layout import format_runs, prefer_decode_layout
 
     if not (format_runs("native", torch.float32) and format_runs(other, torch.float32)):
         pytest.skip(f"{other} does not run on this CPU")
@@ -392,7 +392,7 @@ def test_shared_length_leaves_each_prompt_its_window():
 
 
 def test_the_repetition_guard_bans_what_would_repeat_an_ngram_of_the_answer():
-    from sfi.steps import repeated_ngram_tokens
+    from sfi.decode_step import repeated_ngram_tokens
 
     tokens = [1, 2, 3, 9, 1, 2]
     assert repeated_ngram_tokens(tokens, 3) == [3]  # 1 2 3 is there: 3 may not follow 1 2

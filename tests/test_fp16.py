@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from conftest import tied_tiny_qwen2
 
-from sfi import fp16_linear, layout, reduction
+from sfi import fp16_linear, reduction, weight_layout
 from sfi.fp16_linear import Fp16Linear, fp16_product, worth_storing
-from sfi.layout import prefer_decode_layout, weight_byte_ratio
+from sfi.weight_layout import prefer_decode_layout, weight_byte_ratio
 
-needs_fp16 = pytest.mark.skipif(not layout.format_runs("fp16", torch.float32),
+needs_fp16 = pytest.mark.skipif(not weight_layout.format_runs("fp16", torch.float32),
                                 reason="fp16 needs inductor with a C++ compiler")
 
 

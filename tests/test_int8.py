@@ -1,5 +1,5 @@
 """int8 weights (``sfi.int8_linear``): the quantization, the compiled product at a few rows and
-the blocked product at many, AVX2's code path, and the model-wide layout."""
+the blocked product at many, AVX2's code path, and the model-wide weight_layout."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from conftest import tied_tiny_qwen2, tiny_model
 
-from sfi import int8_linear, layout, reduction
+from sfi import int8_linear, reduction, weight_layout
 from sfi.int8_linear import Int8Linear, int8_product, quantize_rows
-from sfi.layout import prefer_decode_layout, weight_byte_ratio
+from sfi.weight_layout import prefer_decode_layout, weight_byte_ratio
 
-needs_int8 = pytest.mark.skipif(not layout.format_runs("int8", torch.float32),
+needs_int8 = pytest.mark.skipif(not weight_layout.format_runs("int8", torch.float32),
                                 reason="int8 needs inductor with a C++ compiler")
 
 
@@ -88,7 +88,7 @@ def test_int8_layout_of_a_model_with_tied_embeddings():
 def test_int8_is_refused_where_inductor_cannot_build(monkeypatch):
     from sfi.errors import SFIError
 
-    monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: False)
+    monkeypatch.setattr(weight_layout, "format_runs", lambda weights, dtype: False)
     with pytest.raises(SFIError, match=r"int8.*C\+\+ compiler"):
         prefer_decode_layout(tiny_model("llama"), "int8")
 
@@ -112,9 +112,9 @@ def test_a_format_this_cpu_cannot_run_is_refused_before_the_bench_loads(monkeypa
 
     from sfi import models
 
-    monkeypatch.setattr(layout, "format_runs", lambda weights, dtype: weights == "native")
+    monkeypatch.setattr(weight_layout, "format_runs", lambda weights, dtype: weights == "native")
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model"))
-    monkeypatch.setattr(layout.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(weight_layout.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     result = run_cli_here("bench", "--weights", "native,bf16", "--contexts", "64")

@@ -14,9 +14,9 @@ import torch
 import sfi
 from sfi import SFIConfig
 from sfi.errors import SFIConfigError
+from sfi.refresh_selection import SelectionRule
 from sfi.scorers.registry import make_scorer
-from sfi.selection import SelectionRule
-from sfi.sequence import refresh_memory
+from sfi.sequence_policy import refresh_memory
 from sfi.triggers import token_classes
 from sfi.vllm.paged import (
     BLOCKS,

@@ -21,10 +21,10 @@ __version__ = "0.2.0"
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
-    "DecodeCache": "sfi.caches",
-    "DecodeStats": "sfi.stats",
+    "DecodeCache": "sfi.decode_cache",
+    "DecodeStats": "sfi.decode_stats",
     "Evidence": "sfi.scorers",
-    "FullCache": "sfi.caches",
+    "FullCache": "sfi.decode_cache",
     "GenerateResult": "sfi.decode",
     "ModelNotFoundError": "sfi.errors",
     "PromptError": "sfi.errors",
@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "SFIError": "sfi.errors",
     "SFISelector": "sfi.selector",
     "Scorer": "sfi.scorers",
-    "SlowFastCache": "sfi.cache",
+    "SlowFastCache": "sfi.slowfast_cache",
     "Timing": "sfi.decode",
     "UnsupportedModelError": "sfi.errors",
     "build_cache": "sfi.methods",
@@ -45,13 +45,13 @@ _EXPORTS: dict[str, str] = {
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors (redundant aliases re-export)
-    from sfi.cache import SlowFastCache as SlowFastCache
-    from sfi.caches import DecodeCache as DecodeCache
-    from sfi.caches import FullCache as FullCache
     from sfi.config import SFIConfig as SFIConfig
     from sfi.decode import GenerateResult as GenerateResult
     from sfi.decode import Timing as Timing
     from sfi.decode import generate as generate
+    from sfi.decode_cache import DecodeCache as DecodeCache
+    from sfi.decode_cache import FullCache as FullCache
+    from sfi.decode_stats import DecodeStats as DecodeStats
     from sfi.errors import ModelNotFoundError as ModelNotFoundError
     from sfi.errors import PromptError as PromptError
     from sfi.errors import SFIConfigError as SFIConfigError
@@ -63,14 +63,14 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors (redundant al
     from sfi.scorers import Evidence as Evidence
     from sfi.scorers import Scorer as Scorer
     from sfi.selector import SFISelector as SFISelector
-    from sfi.stats import DecodeStats as DecodeStats
+    from sfi.slowfast_cache import SlowFastCache as SlowFastCache
 
 
 def __getattr__(name: str) -> Any:
     """The public names of ``__all__``, each imported from its module when first asked for,
     and the submodules (``sfi.texts``)."""
     module = _EXPORTS.get(name)
-    if module is None:  # a submodule (sfi.texts, sfi.layout, ...), else no such name
+    if module is None:  # a submodule (sfi.texts, sfi.weight_layout, ...), else no such name
         try:
             return importlib.import_module(f"sfi.{name}")
         except ModuleNotFoundError as exc:

@@ -2,12 +2,12 @@
 
 The loop is made of the pieces every loop of the project shares (the server's engine, the
 evaluations, the benchmark), as in gpt-fast: :func:`sfi.prefill.prefill` (a prompt's forward),
-the step functions of :mod:`sfi.steps` (:func:`~sfi.steps.token_steps`, one token per row per
-step) or exact mode's rounds (:meth:`sfi.exact.ExactDecoder.rounds`, several tokens per row per
-round), and :class:`sfi.stopping.Outputs` (when each row ends, its text, the streaming).
+the step functions of :mod:`sfi.decode_step` (:func:`~sfi.decode_step.token_steps`, one token per
+row per step) or exact mode's rounds (:meth:`sfi.exact.ExactDecoder.rounds`, several tokens per
+row per round), and :class:`sfi.stopping.Outputs` (when each row ends, its text, the streaming).
 
-``mode="sfi"`` decodes through a :class:`~sfi.cache.SlowFastCache`; ``mode="full"`` through
-transformers' ``DynamicCache`` and SDPA, the model as users run it today; ``mode="exact"``
+``mode="sfi"`` decodes through a :class:`~sfi.slowfast_cache.SlowFastCache`; ``mode="full"``
+through transformers' ``DynamicCache`` and SDPA, the model as users run it today; ``mode="exact"``
 through a ``SlowFastCache`` whose fast steps draft and whose dense forwards verify
 (:mod:`sfi.exact`): full attention's tokens. They share the loop, so their timings compare like
 with like.
@@ -24,6 +24,14 @@ from typing import Any, Literal
 import torch
 
 from sfi.config import SFIConfig
+from sfi.decode_stats import DecodeStats
+from sfi.decode_step import (
+    Sampling,
+    decode_one,
+    repeated_ngram_tokens,
+    sample_next,
+    token_steps,
+)
 from sfi.errors import PromptError, SFIError
 from sfi.exact import ExactDecoder
 from sfi.hf import context_length, eos_token_ids
@@ -31,14 +39,6 @@ from sfi.methods import build_cache
 from sfi.prefill import prefill
 from sfi.prompts import EncodedPrompts, Prompts, encode_prompts
 from sfi.scorers import Scorer
-from sfi.stats import DecodeStats
-from sfi.steps import (
-    Sampling,
-    decode_one,
-    repeated_ngram_tokens,
-    sample_next,
-    token_steps,
-)
 from sfi.stopping import Outputs, StopChecker
 
 Mode = Literal["sfi", "full", "exact"]

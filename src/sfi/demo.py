@@ -24,12 +24,12 @@ import torch
 
 from sfi.config import SFIConfig
 from sfi.decode import continue_greedy
+from sfi.decode_stats import DecodeStats
 from sfi.errors import SFIError
 from sfi.eval.tasks import Sample, chat_prompt, make_sample, score
 from sfi.hf import context_length, eos_token_ids
 from sfi.methods import build_cache
 from sfi.prefix import SharedPrefill
-from sfi.stats import DecodeStats
 
 SIDES: tuple[str, ...] = ("full", "sfi")
 #: the method of the full-attention side: the strongest dense decoding sfi has, a

@@ -2,7 +2,7 @@
 
 :class:`DraftLength` chooses gamma for a batch from what the rounds measured (a draft step's
 time, a :class:`ForwardCost` line of a forward's time against the positions it verifies, and
-each row's own acceptance, ``sfi.sequence.DraftAcceptance``), and decodes densely where no
+each row's own acceptance, ``sfi.sequence_policy.DraftAcceptance``), and decodes densely where no
 gamma pays. ``expected_tokens`` is the speculative-decoding count it maximises over time.
 """
 

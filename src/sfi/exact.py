@@ -37,13 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sfi.cache import SlowFastCache
+from sfi.decode_step import Sampling, decode_one, extended_mask, sample_next
 from sfi.draft_length import DraftLength
 from sfi.errors import SFIError
 from sfi.hf import cache_argument
 from sfi.plan import DENSE_STEP, DRAFT, VERIFY
-from sfi.sequence import sparse_pays
-from sfi.steps import Sampling, decode_one, extended_mask, sample_next
+from sfi.sequence_policy import sparse_pays
+from sfi.slowfast_cache import SlowFastCache
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ norms, the compact buffer, page summaries: tensors only) and never points back t
   plan refreshes, a first selection from the last W queries;
 - ``dense`` rows: attention over the whole cache;
 - ``slow`` rows: the same dense attention, whose logits are the evidence from which the rows'
-  scorer refreshes the compact buffer (:func:`sfi.selection.select_groups`);
+  scorer refreshes the compact buffer (:func:`sfi.refresh_selection.select_groups`);
 - ``fast`` rows: one softmax over the compact buffer and the recent window read in place,
   O(S + K + R) entries per KV head whatever the context length.
 
@@ -28,9 +28,9 @@ from sfi.coverage import page_scores, unheld_pages
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh, StagedCompact
 from sfi.plan import VERIFY, Probe, SlowRows, StepPlan
+from sfi.refresh_selection import PreviousSelection, previous_selection
 from sfi.rows import Rows
 from sfi.scorers import make_evidence, scores_rows_alone
-from sfi.selection import PreviousSelection, previous_selection
 from sfi.slab import SlabLayer
 
 

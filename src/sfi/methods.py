@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from sfi.cache import SlowFastCache
-from sfi.caches import DecodeCache, FullCache, FullStaticCache
 from sfi.config import PRESETS, SFIConfig, parse_overrides
+from sfi.decode_cache import DecodeCache, FullCache, FullStaticCache
 from sfi.errors import SFIError
 from sfi.eviction import POLICIES, EvictionCache, make_policy
 from sfi.scorers import Scorer
 from sfi.scorers.registry import make_scorer
+from sfi.slowfast_cache import SlowFastCache
 
 
 def budget_tokens(budget: float, context: int) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from sfi.cache_folder import cache_root
 from sfi.errors import ModelNotFoundError, SFIError
-from sfi.layout import prefer_decode_layout
+from sfi.weight_layout import prefer_decode_layout
 
 CONVERTED_MARKER = "sfi-converted.json"
 #: the weight formats whose decode steps are compiled unless ``compile=False``: their
@@ -227,13 +227,13 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
         device: defaults to CUDA when available, else CPU.
         dtype: defaults to float32 on CPU (much faster prefill there) and bfloat16 on CUDA.
         decode_layout: on CPU, store the linear layers' weights as decoding reads them fastest
-            (``sfi.layout``: packed for oneDNN on x86, else wide weights transposed); results
+            (``sfi.weight_layout``: packed for oneDNN on x86, else wide weights transposed); results
             agree to float rounding. Packed layers cannot move to another device or train:
             pass ``decode_layout=False`` for a model you will move or fine-tune.
         weights: ``native`` (the loaded dtype); on a CPU, ``bf16`` (x86), ``fp16`` (large
             weights in float16, for batch 1) or ``int8`` (AVX-512) for the linear layers
             (faster, not exact: ``sfi bench --weights native,fp16,int8`` measures speed and
-            fidelity against ``native``; ``sfi.layout``).
+            fidelity against ``native``; ``sfi.weight_layout``).
         compile: compile the model's one-token decode steps with ``torch.compile``
             (:func:`sfi.compiled.compile_decode`: the first steps of a process take 10-90 s
             to compile, kernels are cached on disk). Default: with ``fp16`` and ``int8``

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
+from sfi.refresh_selection import PreviousSelection, SelectionGroup, select_groups
 from sfi.rows import Rows
 from sfi.scorers import Evidence, scores_rows_alone, stack_evidence
-from sfi.selection import PreviousSelection, SelectionGroup, select_groups
 
 
 @dataclass
@@ -53,7 +53,7 @@ Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 @dataclass
 class Refresh:
     """One layer's refresh of some rows: select from the evidence (stages 1-6,
-    :func:`sfi.selection.select_groups`), then ``pack`` the slots ``[n, H, k]`` into
+    :func:`sfi.refresh_selection.select_groups`), then ``pack`` the slots ``[n, H, k]`` into
     ``(keys, values, positions)`` of the new compact memory, ``width`` slots planned."""
 
     rows: Rows

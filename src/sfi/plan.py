@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sfi.refresh_selection import SelectionGroup
 from sfi.rows import Rows
-from sfi.selection import SelectionGroup
-from sfi.sequence import DENSE, SLOW, Memory
+from sfi.sequence_policy import DENSE, SLOW, Memory
 from sfi.triggers import COVERAGE
 
 

@@ -1,6 +1,6 @@
 """The transformers path's batch plan: what each forward pass does, for every row of a batch.
 
-The sequence policy (memories, decisions, what a step records) is :mod:`sfi.sequence`, shared
+The sequence policy (memories, decisions, what a step records) is :mod:`sfi.sequence_policy`, shared
 with the vLLM plugin; this module turns it into the tensors a padded batch needs.
 
 Before a forward pass, :meth:`Planner.plan` turns the sequences' state and the new input tokens
@@ -37,10 +37,10 @@ from sfi.plan import (
     SlowRows,
     StepPlan,
 )
+from sfi.refresh_selection import SelectionGroup, SelectionRule
 from sfi.rows import Rows
 from sfi.scorers import Scorer
-from sfi.selection import SelectionGroup, SelectionRule
-from sfi.sequence import (
+from sfi.sequence_policy import (
     DENSE,
     FAST,
     LAGGED,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from sfi.caches import KV, DecodeCache, FullCache
 from sfi.cost_model import head_dim, text_config
-from sfi.eviction.cache import prefill_with_history
+from sfi.decode_cache import KV, DecodeCache, FullCache
+from sfi.eviction.masked_cache import prefill_with_history
 from sfi.prefill import PREFILL_CHUNK, prefill
 
 

@@ -3,8 +3,8 @@
 A row's slots before its first real token are left padding. Exact mode adds **holes**
 (:mod:`sfi.exact`): a batch shares one cache length, but its rows accept different numbers of
 drafts in a verify; a row that accepted fewer than the batch's most leaves the slots it did not
-commit empty (their KV zeroed, :meth:`sfi.cache.SlowFastCache.commit_rows`), and no read may
-see them. Holes are cache slots, kept per sequence (``SequenceState.holes``), and move with
+commit empty (their KV zeroed, :meth:`sfi.slowfast_cache.SlowFastCache.commit_rows`), and no read
+may see them. Holes are cache slots, kept per sequence (``SequenceState.holes``), and move with
 the padding when a batch is re-aligned.
 
 Shapes: B sequences, T cache length, Q queries.

@@ -31,20 +31,20 @@ from typing import Any
 import torch
 
 from sfi.bench.llama_cpp import NO_FLASH_ATTN, decode_times, gguf_weights
-from sfi.caches import KV, DecodeCache
 from sfi.config import SFIConfig
 from sfi.cost_model import kv_elements_per_position
+from sfi.decode_cache import KV, DecodeCache
+from sfi.decode_stats import DecodeStats
+from sfi.decode_step import decode_one
 from sfi.errors import SFIError
 from sfi.exact import ExactDecoder
 from sfi.hf import context_length
-from sfi.layout import PackedLinear
 from sfi.methods import build_cache
 from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill, prefix_kv
 from sfi.reduction import ReducedLinear
-from sfi.stats import DecodeStats
-from sfi.steps import decode_one
 from sfi.triggers import COVERAGE
+from sfi.weight_layout import PackedLinear
 
 MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only", "sfi-exact")
 

@@ -36,9 +36,9 @@ from sfi.bench.throughput import (
     step_rates,
 )
 from sfi.config import SFIConfig
+from sfi.decode_stats import DecodeStats
 from sfi.errors import SFIError
 from sfi.prefix import prefix_kv
-from sfi.stats import DecodeStats
 
 VLLM_MODES = ("vllm", "vllm+sfi")
 OWN_MODES = ("full", "sfi", "sfi-fast-only")  # sfi's engine beside them

@@ -79,7 +79,7 @@ def bench_cmd(
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
     mode_list = name_list("--modes", modes, MODES)
-    from sfi.layout import WEIGHT_FORMATS, require_format
+    from sfi.weight_layout import WEIGHT_FORMATS, require_format
 
     format_list = name_list("--weights", weights, WEIGHT_FORMATS)
     for name in format_list:  # before any model loads (the CPU decides, not the model)

@@ -60,7 +60,7 @@ def compile_seconds(model: Any) -> float | None:
 
 def one_format(weights: str) -> str:
     """The one weight format ``--weights`` names (a clear error otherwise)."""
-    from sfi.layout import WEIGHT_FORMATS
+    from sfi.weight_layout import WEIGHT_FORMATS
 
     formats = name_list("--weights", weights, WEIGHT_FORMATS)
     if len(formats) != 1:

@@ -25,17 +25,17 @@ from typing import Any
 
 import torch
 
-from sfi.cache import SlowFastCache
+from sfi.decode_step import decode_one
 from sfi.eval.runner import WINDOW, greedy_continue
 from sfi.eval.tasks import Sample, score
-from sfi.eviction.cache import EvictionCache
+from sfi.eviction.masked_cache import EvictionCache
 from sfi.hf import eos_token_ids
 from sfi.methods import budget_tokens, build_cache, parse_method
 from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill
 from sfi.scorers import Evidence, Scorer
 from sfi.selector import top_k_positions
-from sfi.steps import decode_one
+from sfi.slowfast_cache import SlowFastCache
 
 
 def answer_positions(tokenizer: Any, sample: Sample) -> dict[str, list[int]]:

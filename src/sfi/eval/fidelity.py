@@ -15,14 +15,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sfi.caches import DecodeCache, FullCache
 from sfi.config import SFIConfig
+from sfi.decode_cache import DecodeCache, FullCache
+from sfi.decode_step import decode_one
 from sfi.errors import SFIError
 from sfi.methods import build_cache
 from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill
 from sfi.scorers import Scorer
-from sfi.steps import decode_one
 
 MethodSpec = SFIConfig | tuple[SFIConfig, Scorer] | Callable[[], Any]
 

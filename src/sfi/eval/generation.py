@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sfi.caches import FullCache
+from sfi.decode_cache import FullCache
 from sfi.hf import cache_argument
 from sfi.prefix import SharedPrefill
 

@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from sfi.cache import SlowFastCache
-from sfi.caches import DecodeCache
 from sfi.config import SFIConfig
 from sfi.decode import continue_greedy
+from sfi.decode_cache import DecodeCache
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
 from sfi.eval.generation import GenerationScores, first_divergence, full_attention_scores
@@ -37,6 +36,7 @@ from sfi.hf import eos_token_ids
 from sfi.methods import Method, budget_tokens, build_cache, parse_method
 from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill
+from sfi.slowfast_cache import SlowFastCache
 from sfi.stopping import StopChecker
 
 WINDOW = 32  # SnapKV's observation window; SFI's evidence is the last 16 of these queries

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from sfi.config import SFIConfig
+from sfi.decode_step import decode_one
 from sfi.errors import SFIError
-from sfi.eviction.cache import EvictionCache
 from sfi.eviction.layer import EvictionLayer
+from sfi.eviction.masked_cache import EvictionCache
 from sfi.prefill import prefill
 from sfi.scorers import make_evidence
 from sfi.selector import SFISelector, top_k_positions
-from sfi.sequence import refresh_memory
-from sfi.steps import decode_one
+from sfi.sequence_policy import refresh_memory
 from sfi.triggers import SentenceTrigger, make_trigger, observe, token_classes
 
 SINCE_BINS = (1, 2, 4, 8, 16, 32, 64)

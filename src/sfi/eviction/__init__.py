@@ -3,8 +3,8 @@ policy (StreamingLLM, SnapKV, PyramidKV, H2O, TOVA, Quest) sets once after prefi
 step. Tokens a policy drops are never attended again, exactly as if they had been evicted; the
 KV stays in memory, since these runs measure quality, not speed."""
 
-from sfi.eviction.cache import EvictionCache
 from sfi.eviction.layer import EvictionLayer
+from sfi.eviction.masked_cache import EvictionCache
 from sfi.eviction.policies import POLICIES, EvictionPolicy, make_policy
 
 __all__ = ["POLICIES", "EvictionCache", "EvictionLayer", "EvictionPolicy", "make_policy"]

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from sfi.cache import SlowFastCache
 from sfi.config import SFIConfig
+from sfi.decode_stats import DecodeStats
+from sfi.decode_step import decode_one, sample_next
 from sfi.errors import SFIError
 from sfi.hf import eos_token_ids
 from sfi.methods import build_cache
@@ -41,8 +42,7 @@ from sfi.server.requests import (
     QueueFullError,
     kv_tokens,
 )
-from sfi.stats import DecodeStats
-from sfi.steps import decode_one, sample_next
+from sfi.slowfast_cache import SlowFastCache
 from sfi.stopping import StopChecker
 
 __all__ = ["Engine", "EngineLimits"]

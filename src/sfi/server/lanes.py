@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sfi.cache import SlowFastCache
+from sfi.decode_step import Sampling
 from sfi.exact import Emitted, ExactDecoder, RoundCounts
 from sfi.prefill import chunk_end, prefill
 from sfi.server.requests import GenerationRequest
-from sfi.steps import Sampling
+from sfi.slowfast_cache import SlowFastCache
 
 
 @dataclass

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sfi.config import SFIConfig
+from sfi.decode_stats import DecodeStats
+from sfi.decode_step import Sampling
 from sfi.errors import SFIError
 from sfi.exact import RoundCounts
-from sfi.stats import DecodeStats
-from sfi.steps import Sampling
 from sfi.stopping import StopChecker
 
 # events: ("delta", text) ... then ("done", request) or ("error", exception)

@@ -22,8 +22,8 @@ import torch
 from sfi.coverage import misses, page_scores, probe_page, top_pages, unheld_pages
 from sfi.kernels import attention_logits
 from sfi.pages import PageSummaries
+from sfi.refresh_selection import SelectionRule
 from sfi.scorers import key_norms_of
-from sfi.selection import SelectionRule
 from sfi.vllm.metadata import SFIMetadata
 from sfi.vllm.paged import (
     CacheLayout,

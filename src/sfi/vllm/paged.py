@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from sfi.kernels import attention_logits, evidence_bias, window_logits
+from sfi.refresh_selection import PreviousSelection, SelectionRule, previous_selection, select
 from sfi.scorers import Scorer, make_evidence
-from sfi.selection import PreviousSelection, SelectionRule, previous_selection, select
-from sfi.sequence import Memory
+from sfi.sequence_policy import Memory
 
 KeyLayout = None | str | torch.Tensor
 """How a kernel stores a block's ``bs * D`` key entries: None (``[bs, D]``), ``"dim-major"``
@@ -228,8 +228,8 @@ def select_refreshes(scorer: Scorer, rule: SelectionRule, layer_idx: int,
                      refreshes: Sequence[RequestRefresh], scale: float, softcap: float | None
                      ) -> list[torch.Tensor]:
     """The ``[H, k]`` slots (pinned ones first, each part in increasing position order) of every
-    request that refreshes at a step: one :func:`sfi.selection.select` per number of evidence
-    queries, over all those requests at once (their keys padded to the longest)."""
+    request that refreshes at a step: one :func:`sfi.refresh_selection.select` per number of
+    evidence queries, over all those requests at once (their keys padded to the longest)."""
     chosen: list[torch.Tensor | None] = [None] * len(refreshes)
     by_window: dict[int, list[int]] = {}
     for i, refresh in enumerate(refreshes):

@@ -41,7 +41,7 @@ from sfi.config import SFIConfig
 from sfi.coverage import probe_layers
 from sfi.errors import SFIConfigError
 from sfi.scorers import Scorer
-from sfi.sequence import (
+from sfi.sequence_policy import (
     DENSE,
     FAST,
     SLOW,
@@ -246,7 +246,7 @@ class RequestBook:
             self.free.append(state.slot)
 
     def _decide(self, row: int, state: RequestState, q: int, t: int, token: int) -> RowPlan:
-        """Decide one row and record it (:func:`sfi.sequence.record_step`, as the planner
+        """Decide one row and record it (:func:`sfi.sequence_policy.record_step`, as the planner
         records a step): the plugin has no hook after the step, and nothing the step does
         changes its decision (a probe's flag counts from the next step, as in the planner)."""
         c, seq = self.config, state.seq

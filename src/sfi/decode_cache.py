@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import DynamicCache, StaticCache
 
-from sfi.stats import DecodeStats
+from sfi.decode_stats import DecodeStats
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 

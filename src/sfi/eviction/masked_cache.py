@@ -11,10 +11,10 @@ from transformers.cache_utils import Cache
 
 from sfi.attention import WritesInAttention
 from sfi.context import StepContext
+from sfi.decode_stats import DecodeStats
 from sfi.errors import SFIError, UnsupportedModelError
 from sfi.eviction.layer import EvictionLayer, EvictionStep, Observer, Policy
 from sfi.hf import RoutingLease, cache_argument, text_config
-from sfi.stats import DecodeStats
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 MASKED = "masked"  # the kind of an eviction cache's decode step: it reads its kept entries
@@ -64,7 +64,7 @@ class EvictionCache(WritesInAttention, Cache):
         batch = self.layers[0].keys.shape[0]
         self._kinds = ((MASKED if step.plan.decode else "dense"),) * batch
 
-    # --- the protocol every cache of a comparison implements (sfi.caches.DecodeCache) ----------
+    # --- the protocol every cache of a comparison implements (sfi.decode_cache.DecodeCache) --
     def load_prefix(self, prefix: KV, history: list[torch.Tensor] | None = None,
                     attention_mask: torch.Tensor | None = None) -> None:
         """Fill an empty cache with a shared prefill's KV (copied) and, when this cache tracks
@@ -73,7 +73,7 @@ class EvictionCache(WritesInAttention, Cache):
             raise SFIError("load_prefix needs an empty EvictionCache")
         if self.track_attention and history is None:
             raise SFIError("this policy needs the prefill's attention history; compute it with "
-                           "sfi.eviction.cache.prefill_with_history")
+                           "sfi.eviction.masked_cache.prefill_with_history")
         for idx, (layer, (k, v)) in enumerate(zip(self.layers, prefix)):
             layer.update(k.clone(), v.clone())
             if self.track_attention:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 
 from sfi.config import SFIConfig
 from sfi.cost_model import dense_reason
+from sfi.decode_stats import DecodeStats
 from sfi.notices import notice_once
 from sfi.scorers import Scorer
-from sfi.stats import DecodeStats
 from sfi.triggers import BOOTSTRAP, COVERAGE, REFRESH_REASONS, RefreshTrigger
 
 ACCEPTANCE = "acceptance"  # exact mode: full attention rejected a round's first draft

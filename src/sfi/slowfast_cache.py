@@ -23,19 +23,19 @@ from sfi.attention import WritesInAttention
 from sfi.config import SFIConfig
 from sfi.context import StepContext, current_step
 from sfi.cost_model import weight_positions
+from sfi.decode_stats import DecodeStats
 from sfi.errors import SFIError, UnsupportedModelError
 from sfi.hf import RoutingLease, text_config
 from sfi.layer_attention import SlowFastAttention
-from sfi.layout import weight_byte_ratio
 from sfi.overlap import Rebuilder, make_rebuilder
 from sfi.plan import Redo, StepPlan
 from sfi.planner import Planner, TriggerFactory
 from sfi.scorers import Scorer
 from sfi.selector import SFISelector
-from sfi.sequence import SLOW, Memory, record_verified
+from sfi.sequence_policy import SLOW, Memory, record_verified
 from sfi.slab import SlabLayer
-from sfi.stats import DecodeStats
 from sfi.triggers import make_trigger, token_classes
+from sfi.weight_layout import weight_byte_ratio
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -174,7 +174,7 @@ class SlowFastCache(WritesInAttention, Cache):
         if self.rebuilder is None:
             self.rebuilder = make_rebuilder(device, self.config.overlap_selection)
 
-    # --- the protocol every cache of a comparison implements (sfi.caches.DecodeCache) ----------
+    # --- the protocol every cache of a comparison implements (sfi.decode_cache.DecodeCache) --
     def load_prefix(self, prefix: KV, history: list[torch.Tensor] | None = None,
                     attention_mask: torch.Tensor | None = None) -> None:
         """Fill an empty cache with already computed KV (a shared prefill, or synthetic KV).
@@ -252,7 +252,7 @@ class SlowFastCache(WritesInAttention, Cache):
                      drafted: int) -> None:
         """Record what a verify (``accepted`` per row, of ``drafted`` drafts) or a dense step
         (``accepted`` None) committed: each row's ``inputs``, the input tokens of the decode
-        steps it stands for, walk the row's trigger (``sfi.sequence.record_verified``)."""
+        steps it stands for, walk the row's trigger (``sfi.sequence_policy.record_verified``)."""
         if len(inputs) != self.batch_size:
             raise SFIError(f"record_exact got {len(inputs)} rows; the batch has "
                            f"{self.batch_size}")
