@@ -9,7 +9,7 @@ import torch
 
 from sfi import SFIConfig, weight_layout
 from sfi.compiled import compile_decode, compiled_forward, eager_decode
-from sfi.decode_step import decode_one
+from sfi.decode_step import decode_one, extended_mask
 from sfi.methods import build_cache
 from sfi.prefill import prefill
 
@@ -20,51 +20,74 @@ pytestmark = pytest.mark.skipif(not weight_layout.format_runs("int8", torch.floa
                                 reason="torch.compile's inductor cannot build here")
 
 
-def _decode(model, tokenizer, method: str, ids: torch.Tensor, config: SFIConfig | None):
-    """Greedy steps after a prefill: ``(logits [steps, B, V], step kinds)``."""
+def _decode(model, tokenizer, method: str, ids: torch.Tensor, config: SFIConfig | None,
+            mask: torch.Tensor | None = None):
+    """Greedy steps after a prefill (of a left-padded batch where ``mask [B, L]`` says):
+    ``(logits [steps, B, V], each step's kinds)``."""
     cache = build_cache(model, tokenizer, method, config=config,
                         capacity=ids.shape[1] + STEPS + 1)
     with torch.inference_mode():
-        token = prefill(model, cache, ids).argmax(-1)
-        position = torch.full((ids.shape[0],), ids.shape[1])
+        positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+        token = prefill(model, cache, ids, attention_mask=mask, positions=positions).argmax(-1)
+        position = torch.full((ids.shape[0],), ids.shape[1]) if mask is None else mask.sum(-1)
         logits, kinds = [], []
         for _ in range(STEPS):
-            step = decode_one(model, cache, token, position)
+            if mask is not None:
+                mask = extended_mask(mask, 1)
+            step = decode_one(model, cache, token, position, mask)
             logits.append(step)
-            kinds.extend(cache.step_kinds())
+            kinds.append(tuple(cache.step_kinds()))
             token, position = step.argmax(-1), position + 1
     return torch.stack(logits), kinds
 
 
-@pytest.mark.parametrize("method", ["sfi", "sfi-retry", "full-static", "full"])
+SFI_CASES = {  # (configuration, left padding of the second row)
+    "sfi": (dict(coverage_layers=0, trigger="fixed", period=4), 0),
+    # rows refreshing at different steps (recent windows starting apart), one padded
+    "sfi-rows": (dict(coverage_layers=0, trigger="random", random_period_min=2,
+                      random_period_max=5), 30),
+    # one layer probes (in the graph, its probes through their own operator), one does not
+    "sfi-probed": (dict(coverage_layers=1, trigger="fixed", period=6), 0),
+    # coverage_retry: flagged steps the routing hook runs again, through the graphs above
+    "sfi-retry": (dict(page_size=4, coverage_layers=2, coverage_threshold=0.3, coverage_gap=1,
+                       coverage_retry=True, trigger="fixed", period=4), 0),
+}
+
+
+@pytest.mark.parametrize("method", [*SFI_CASES, "full-static", "full"])
 def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method):
-    """(``sfi-retry``: coverage_retry, whose flagged steps the routing hook runs again, through
-    the graph the ``sfi`` case built when it runs first.)"""
+    """Plain fast steps (every row fast, no layer probing) attend in the graph
+    (``sfi.traced_fast``), every other step through the attention operator."""
     model, tokenizer = tiny_llama_with_tokenizer
     name = method
     torch.manual_seed(1)
     ids = torch.randint(5, 5000, (2, 96))
-    config = None
-    if method.startswith("sfi"):
-        retry = dict(page_size=4, coverage_layers=2, coverage_threshold=0.3, coverage_gap=1,
-                     coverage_retry=True) if method == "sfi-retry" else dict(coverage_layers=0)
-        config = SFIConfig(sink=2, recent=8, k_head=8, force_sparse=True, trigger="fixed",
-                           period=4, **retry)
+    config, mask = None, None
+    if method in SFI_CASES:
+        fields, padding = SFI_CASES[method]
+        config = SFIConfig(sink=2, recent=8, k_head=8, force_sparse=True, **fields)
+        if padding:
+            mask = torch.ones_like(ids)
+            mask[1, :padding] = 0
         method = "sfi"
-    expected, eager_kinds = _decode(model, tokenizer, method, ids, config)
+    expected, eager_kinds = _decode(model, tokenizer, method, ids, config, mask)
     compiled = compile_decode(model)
     try:
-        got, kinds = _decode(model, tokenizer, method, ids, config)
+        got, kinds = _decode(model, tokenizer, method, ids, config, mask)
     finally:
         eager_decode(model)
     assert kinds == eager_kinds
-    if method == "sfi":
-        assert {"slow", "fast"} <= set(kinds)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     if config is not None and config.coverage_retry:  # steps were done again, compiled too
         assert compiled.compiled_steps > STEPS
     else:
         assert compiled.compiled_steps == STEPS
+    if config is not None:
+        assert {"slow", "fast"} <= {kind for step in kinds for kind in step}
+        plain = sum(all(kind == "fast" for kind in step) for step in kinds)
+        # (a redone step counts as slow, though its first pass was a plain fast step)
+        assert plain > 0 and (compiled.traced_steps == plain or config.coverage_retry)
+        assert compiled.traced_steps >= plain
     assert compiled.eager_calls == 1  # the prefill
     assert compiled.compile_seconds > 0 or name == "sfi-retry"
 
@@ -136,3 +159,32 @@ def test_compiled_steps_of_a_real_model_probe_coverage_as_eager_ones(default_mod
     assert got[1] == expected[1] and got[2] == expected[2]
     assert expected[2]["coverage"] < STEPS // 2
     torch.testing.assert_close(got[0], expected[0], rtol=1e-3, atol=1e-3)
+
+
+def test_only_plain_fast_steps_are_traced(tiny_llama_with_tokenizer):
+    """A compiled step traces its attention only where the plan is a plain fast step whose
+    recent window fits the traced width and nothing is rebuilding; the window's fixed
+    positions are masked past the written part."""
+    from sfi.traced_fast import traced_step
+
+    model, tokenizer = tiny_llama_with_tokenizer
+    config = SFIConfig(sink=2, recent=8, k_head=8, force_sparse=True, trigger="fixed",
+                       period=4, coverage_layers=0)
+    cache = build_cache(model, tokenizer, "sfi", config=config, capacity=128)
+    ids = torch.randint(5, 5000, (1, 96))
+    with torch.inference_mode():
+        token = prefill(model, cache, ids).argmax(-1)
+        step = cache.begin_forward(token[:, None], None, 1, 1, ids.device)
+        assert step.plan.kinds == ("fast",)
+        traced = step.traced()
+        past = step.plan.total_length - 1
+        read = past - step.plan.fast.read_start
+        assert traced is not None and traced.traces(0) and traced.traces(1)
+        width = traced.window.shape[0]
+        assert width % 128 == 0 and width >= config.recent + config.refresh_interval
+        assert int(traced.window.max()) == past - 1  # clamped into the written part
+        allowed = traced.window_bias[0, 0, 0] == 0
+        assert allowed[:read].all() and not allowed[read:].any()
+        assert traced_step(step.plan, cache.attention, width=read - 1) is None  # too wide
+        cache.attention[1].pending = object()  # a rebuild in flight: the operator's to handle
+        assert step.traced() is None
