@@ -126,7 +126,7 @@ def third_party_imports(path: Path) -> set[str]:
     return found - {"sfi", "__future__"}
 
 
-@pytest.mark.parametrize("module", ["sequence", "selection"])
+@pytest.mark.parametrize("module", ["sequence_policy", "refresh_selection"])
 def test_the_core_imports_no_engine(module):
     """No transformers, no vLLM, no torch.nn modules: plain policy and tensor functions."""
     path = SRC / "sfi" / f"{module}.py"
