@@ -50,8 +50,8 @@ def bench_cmd(
     memory_limit_gb: Annotated[float, typer.Option(help="skip cells whose KV would need more")]
         = 12.0,
     weights: Annotated[str, typer.Option(help="CPU weight formats, comma-separated: native, "
-                                         "bf16, int8; each but native is also compared with "
-                                         "native (teacher-forced KL, top-1)")] = "native",
+                                         "bf16, fp16, int8; each but native is also compared "
+                                         "with native (teacher-forced KL, top-1)")] = "native",
     compile: CompileOpt = None,
     gguf: Annotated[str | None, typer.Option(
         help="GGUF files of the same model for llama.cpp to decode at batch 1, comma-separated "
