@@ -6,11 +6,12 @@
 Builds the mode's cache as ``sfi bench`` does, on synthetic KV of the context's shape (the
 step's time does not depend on the values; ``--prefill`` runs a real prefill of essay text
 instead), decodes ``--warmup`` steps (the compile, with ``--weights int8``/``fp16`` or
-``--compile``), then profiles ``--steps`` more and prints, per step: the wall time, the time
-inside the attention operators (``sfi::attention_step``, each layer's attention in a
-compiled step; eager: the layers' ``attend`` calls), inside the linear layers' products
-(``sfi::`` product operators and inductor's kernels are counted together as "graph"), and
-the operators that took the most time of their own. Compare parts within one run.
+``--compile``), then profiles ``--steps`` more and prints per step: the median wall time, the
+time inside the attention operators (``sfi::attention_step``: each layer's attention in a
+compiled step), the compiled region as a whole, and the operators that took the most time of
+their own (in a compiled step, inductor's kernels are one entry, ``Call CompiledFxGraph``;
+the attention's matrix products are ``aten::bmm``). The profiler adds to each step: compare
+parts within one run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 import torch
 
 import sfi
-from sfi import slowfast_cache
 from sfi.bench.throughput import benchmark_ids, make_bench_cache, step_kind
 from sfi.config import SFIConfig
 from sfi.decode_step import decode_one
@@ -54,10 +54,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--operator-too", action="store_true",
-                        help="then time the same steps with every layer's attention through "
-                             "the attention operator (as steps that are not plain fast steps "
-                             "run) and print both medians")
     args = parser.parse_args()
     sfi.runtime.keep_freed_memory()
     model, tokenizer = sfi.load(args.model, weights=args.weights, compile=args.compile)
@@ -67,7 +63,7 @@ def main() -> None:
     with torch.inference_mode():
         prefix = prefix_kv(model, ids[:, :-w], synthetic=not args.prefill)
         cache = make_bench_cache(args.mode, model, tokenizer, config, prefix,
-                                 args.context + 2 * args.warmup + 7 * args.steps + 8)
+                                 args.context + args.warmup + args.steps + 8)
         token = prefill(model, cache, ids[:, -w:], start=args.context - w).argmax(-1)
         position = torch.full((1,), args.context)
         begin = time.perf_counter()
@@ -102,15 +98,6 @@ def main() -> None:
     for e in ranked:
         print(f"    {e.self_cpu_time_total / 1000 / n:7.2f}  {e.count // n:5d} calls  "
               f"{e.key[:80]}")
-    if args.operator_too:
-        with torch.inference_mode():
-            traced, token, position = run_steps(model, cache, token, position, 3 * args.steps)
-            slowfast_cache.traced_step = lambda *a, **k: None  # every layer: the operator
-            _, token, position = run_steps(model, cache, token, position, args.warmup)
-            operator, _, _ = run_steps(model, cache, token, position, 3 * args.steps)
-        for label, rows in (("traced attention", traced), ("attention operator", operator)):
-            print(f"{label}: median step {1000 * statistics.median(t for t, _ in rows):.1f} ms "
-                  f"({', '.join(sorted({k for _, k in rows}))})")
 
 
 if __name__ == "__main__":

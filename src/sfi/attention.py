@@ -20,7 +20,6 @@ from transformers.masking_utils import sdpa_mask
 
 from sfi.context import StepContext, current_step
 from sfi.kernels import dense_fallback
-from sfi.traced_fast import TRACED_FAST, fast_attention_traced
 
 ATTENTION_NAME = "sfi"
 
@@ -92,16 +91,10 @@ def sfi_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 
     Inside a compiled one-token step (:mod:`sfi.compiled`) the call is one opaque operator,
     :func:`attention_step`, so that the step stays one graph; ``key``/``value`` are then the
-    new position's when the cache left its write to the layer (``SlowFastCache.update``). In a
-    plain fast step the compiled forward gets ``sfi_fast`` (a
-    :class:`~sfi.traced_fast.TracedFast`) and the layers it names attend in the graph
-    (:func:`sfi.traced_fast.fast_attention_traced`)."""
+    new position's when the cache left its write to the layer (``SlowFastCache.update``)."""
     if torch.compiler.is_compiling() and query.shape[2] == 1 and kwargs.get("softcap") is None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         layer_idx = getattr(module, "layer_idx", -1)
-        fast = kwargs.get(TRACED_FAST)
-        if fast is not None and fast.traces(layer_idx):  # a plain fast step: in the graph
-            return fast_attention_traced(fast, layer_idx, query, key, value, scale), None
         return attention_step(query, key, value, attention_mask, layer_idx, scale), None
     return _attention(module, query, key, value, attention_mask, scaling=scaling,
                       dropout=dropout, **kwargs)

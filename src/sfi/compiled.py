@@ -4,20 +4,13 @@
 [B, 1]``) through ``torch.compile`` and everything else (prefill chunks, exact mode's verify
 of several positions) eagerly. A step is one graph, gpt-fast's shape: the model's own work
 (embeddings, norms, RoPE, the linear layers, the MLP, residuals, the output layer) fused into
-inductor's kernels, and each layer's attention either traced with it or one opaque operator:
-
-- in a plain fast step of the slow-fast cache (every row fast, nothing rebuilding; asked of
-  the step before the forward, ``StepContext.traced``) the layers that do not probe attend in
-  the graph, over fixed-shape views of their compact buffer and recent window
-  (:mod:`sfi.traced_fast`, passed to the forward as ``sfi_fast``);
-- every other step and layer calls :func:`sfi.attention.attention_step`, which carries out
-  what sfi planned (dense, slow and fast rows, refreshes, probes) eagerly: such steps share one
-  second graph, whatever their plan, and no step recompiles.
-
-The slow-fast cache leaves its write to the operator (or to the traced layer's own small
-operator); transformers' caches (``full``, ``full-static``) are traced as they are and
-attended by the operator with PyTorch's SDPA kernel: the dense baseline compiled the same
-way. A compiled model stays routed through sfi's attention (:func:`sfi.hf.routed`) for that.
+inductor's kernels, and each layer's attention one opaque operator
+(:func:`sfi.attention.attention_step`) that carries out what sfi planned for the step (dense,
+slow and fast rows, refreshes, probes) eagerly, so a fast step and a slow step share one graph
+and no step recompiles. The slow-fast cache leaves its write to that operator; transformers'
+caches (``full``, ``full-static``) are traced as they are and attended by the same operator
+with PyTorch's SDPA kernel: the dense baseline compiled the same way. A compiled model stays
+routed through sfi's attention (:func:`sfi.hf.routed`) for that.
 
 inductor keeps what it builds on disk under sfi's cache folder (``<cache>/inductor``, unless
 ``TORCHINDUCTOR_CACHE_DIR`` is set), so a second process spends its first step on dynamo's
@@ -32,9 +25,7 @@ from typing import Any
 import torch
 
 from sfi.cache_folder import use_sfi_inductor_cache
-from sfi.context import current_step
 from sfi.hf import RoutingLease
-from sfi.traced_fast import TRACED_FAST, TracedFast
 
 #: dynamo settings the compiled step runs under (only there: the user's own compiles keep
 #: theirs): room for more variants per function than the default 8, because transformers
@@ -52,8 +43,7 @@ class CompiledDecode:
 
     ``compile_seconds`` adds up the wall time of the steps that built a graph (dynamo's trace,
     inductor's code generation or its cache read, and the step itself); ``compiled_steps`` and
-    ``eager_calls`` count the forwards each way, ``traced_steps`` the compiled ones whose
-    attention was traced (plain fast steps, :mod:`sfi.traced_fast`).
+    ``eager_calls`` count the forwards each way.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -65,7 +55,6 @@ class CompiledDecode:
                          if hasattr(torch._dynamo.config, name)}
         self.compile_seconds = 0.0
         self.compiled_steps = 0
-        self.traced_steps = 0
         self.eager_calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -73,10 +62,6 @@ class CompiledDecode:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
             self.eager_calls += 1
             return self.eager(*args, **kwargs)
-        fast = _traced_fast()
-        if fast is not None:
-            kwargs = {**kwargs, TRACED_FAST: fast}
-            self.traced_steps += 1
         frames = _compiled_frames()
         begin = time.perf_counter()
         with torch._dynamo.config.patch(**self.settings):
@@ -85,13 +70,6 @@ class CompiledDecode:
             self.compile_seconds += time.perf_counter() - begin
         self.compiled_steps += 1
         return out
-
-
-def _traced_fast() -> TracedFast | None:
-    """What the step in progress traces of its attention (``StepContext.traced``: a slow-fast
-    cache's plain fast step, :mod:`sfi.traced_fast`), or None."""
-    step = current_step()
-    return step.traced() if step is not None and step.traced is not None else None
 
 
 def _compiled_frames() -> int:

@@ -9,7 +9,7 @@ asyncio task) sees its own current step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +33,6 @@ class StepContext:
         coverage: the probe layers' page scores, checked together when the forward ends.
         missed: rows whose fast memory a probe layer found missing a page the query bounds
             highly (``sfi.coverage``): they refresh at their next step.
-        traced: asked once by a compiled forward before it runs: what the step's attention
-            traces into the graph (a plain fast step's ``sfi.traced_fast.TracedFast``), or
-            None; None where the cache has nothing to trace.
     """
 
     layers: Sequence[Any]
@@ -44,7 +41,6 @@ class StepContext:
     lagged: dict[int, int] = field(default_factory=dict)
     coverage: CoverageChecks = field(default_factory=CoverageChecks)
     missed: set[int] = field(default_factory=set)
-    traced: Callable[[], Any] | None = None
 
     def layer(self, layer_idx: int) -> Any:
         """The layer of the cache that serves ``layer_idx``, or None."""

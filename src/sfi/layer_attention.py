@@ -166,19 +166,9 @@ class SlowFastAttention(AttendingLayer):
                     step.record_lag(lagging.indices)
             if forced:
                 dense(rows.intersect(Rows(forced, len(plan.kinds), q.device)))
-            if probes:
-                self.probe(step, q, lse[0], scale, softcap)
+            for probe in probes:
+                self._probe_coverage(step, plan, probe, q, lse[0], scale, softcap)
         return out
-
-    def probe(self, step: StepContext, q: torch.Tensor, fast_lse: torch.Tensor, scale: float,
-              softcap: float | None = None) -> None:
-        """Run this layer's coverage probes of the step (:meth:`_probe_coverage`) for the
-        queries ``q [B, H, G, D]`` of the step's fast attention, whose memory log-sum-exp is
-        ``fast_lse [n_fast, H, G]`` (also called from a compiled step's graph:
-        ``sfi.traced_fast``)."""
-        plan: StepPlan = step.plan
-        for probe in plan.probes_at(self.layer_idx):
-            self._probe_coverage(step, plan, probe, q, fast_lse, scale, softcap)
 
     def _probe_coverage(self, step: StepContext, plan: StepPlan, probe: Probe,
                         q: torch.Tensor, fast_lse: torch.Tensor, scale: float,

@@ -175,17 +175,6 @@ class SlabLayer(CacheLayerMixin):
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[-2]
 
-    def reserve_positions(self, needed: int) -> None:
-        """Room for ``needed`` positions in all (grown as :meth:`append` grows it)."""
-        if needed > self.capacity:
-            self._grow(needed)
-
-    def reserved_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` ``[B, H, capacity, D]``: the reserved KV, written up to
-        ``length`` (a compiled fast step gathers its recent window from them at fixed
-        positions, :mod:`sfi.traced_fast`)."""
-        return self._keys, self._values
-
     def page_summaries(self, page: int, shift: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(low, high)`` ``[B, H, P, D]``: the element-wise min and max key of every page of

@@ -12,7 +12,6 @@ the forward :meth:`SlowFastCache.end_forward` commits it and records what the st
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ from sfi.scorers import Scorer
 from sfi.selector import SFISelector
 from sfi.sequence_policy import SLOW, Memory, record_verified
 from sfi.slab import SlabLayer
-from sfi.traced_fast import traced_step, window_width
 from sfi.triggers import make_trigger, token_classes
 from sfi.weight_layout import weight_byte_ratio
 
@@ -136,9 +134,7 @@ class SlowFastCache(WritesInAttention, Cache):
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,
                                  select=not self.prompt_continues, phase=self.phase, redo=redo)
-        width = window_width(self.config.recent, self.config.refresh_interval)
-        return StepContext(layers=self.attention, plan=plan, rebuilder=self.rebuilder,
-                           traced=functools.partial(traced_step, plan, self.attention, width))
+        return StepContext(layers=self.attention, plan=plan, rebuilder=self.rebuilder)
 
     def end_forward(self, step: StepContext) -> bool:
         """The planned forward ran: commit its plan and record what it did; or, where its
