@@ -85,7 +85,8 @@ def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method)
     if config is not None:
         assert {"slow", "fast"} <= {kind for step in kinds for kind in step}
     assert compiled.eager_calls == 1  # the prefill
-    assert compiled.compile_seconds > 0 or name == "sfi-retry"
+    # (a later SFI case may run through the graph an earlier one built)
+    assert compiled.compile_seconds > 0 or (name in SFI_CASES and name != "sfi")
 
 
 def test_a_compiled_step_writes_sliding_window_layers(smol_tokenizer):
