@@ -1,5 +1,5 @@
 """int8 weights (``sfi.int8_linear``): the quantization, the compiled product at a few rows and
-the blocked product at many, AVX2's code path, and the model-wide weight_layout."""
+the blocked product at many, AVX2's code path, and the model-wide layout."""
 
 from __future__ import annotations
 
