@@ -23,23 +23,10 @@ import time
 import torch
 
 import sfi
-from sfi.bench.throughput import benchmark_ids, make_bench_cache, step_kind
+from sfi.bench.throughput import benchmark_ids, make_bench_cache, timed_steps
 from sfi.config import SFIConfig
-from sfi.decode_step import decode_one
 from sfi.prefill import prefill
 from sfi.prefix import prefix_kv
-
-
-def run_steps(model, cache, token, position, count: int):
-    """Decode ``count`` greedy steps: ``([(seconds, kind)] of each, next token, position)``."""
-    out = []
-    for _ in range(count):
-        begin = time.perf_counter()
-        token = decode_one(model, cache, token, position).argmax(-1)
-        out.append((time.perf_counter() - begin, step_kind(cache.step_kinds())
-                    if hasattr(cache, "step_kinds") else "dense"))
-        position = position + 1
-    return out, token, position
 
 
 def main() -> None:
@@ -69,12 +56,12 @@ def main() -> None:
         token = prefill(model, cache, ids[:, -w:], start=args.context - w).argmax(-1)
         position = torch.full((1,), args.context)
         begin = time.perf_counter()
-        warm, token, position = run_steps(model, cache, token, position, args.warmup)
+        warm, token, position = timed_steps(model, cache, token, position, args.warmup)
         print(f"{args.model}, weights {args.weights}, {args.mode}, context {args.context}: "
               f"warm-up {time.perf_counter() - begin:.1f} s "
               f"(last warm step {1000 * warm[-1][0]:.1f} ms)")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            timed, _, _ = run_steps(model, cache, token, position, args.steps)
+            timed, _, _ = timed_steps(model, cache, token, position, args.steps)
     n = len(timed)
     kinds = sorted({k for _, k in timed})
     print(f"step: median {1000 * statistics.median(t for t, _ in timed):.1f} ms over {n} "

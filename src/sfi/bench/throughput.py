@@ -166,11 +166,22 @@ def decode_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, s
     """Run the last prompt tokens ``tail [B, W]`` (from position ``start``), then decode greedily;
     returns ``(seconds, kind)`` per decode step (see :func:`step_kind`), after ``warmup``
     untimed steps (first-touch allocations). ``tokens`` receives each step's ``[B]``."""
-    device = tail.device
     token = prefill(model, cache, tail, start=start).argmax(-1)
-    position = torch.full((tail.shape[0],), start + tail.shape[1], device=device)
+    position = torch.full((tail.shape[0],), start + tail.shape[1], device=tail.device)
+    steps, _, _ = timed_steps(model, cache, token, position, warmup + new_tokens, tokens)
+    return steps[warmup:]
+
+
+@torch.inference_mode()
+def timed_steps(model: torch.nn.Module, cache: DecodeCache, token: torch.Tensor,
+                position: torch.Tensor, count: int, tokens: list[torch.Tensor] | None = None
+                ) -> tuple[list[tuple[float, str]], torch.Tensor, torch.Tensor]:
+    """``count`` greedy decode steps from ``token [B]`` at ``position [B]``, each timed:
+    ``([(seconds, kind)], the next token [B], its position [B])``; ``tokens`` receives each
+    step's input ``[B]``."""
+    device = token.device
     steps = []
-    for _ in range(warmup + new_tokens):
+    for _ in range(count):
         if tokens is not None:
             tokens.append(token)
         _sync(device)
@@ -179,7 +190,7 @@ def decode_run(model: torch.nn.Module, cache: DecodeCache, tail: torch.Tensor, s
         _sync(device)
         steps.append((time.perf_counter() - begin, step_kind(cache.step_kinds())))
         position = position + 1
-    return steps[warmup:]
+    return steps, token, position
 
 
 @torch.inference_mode()
