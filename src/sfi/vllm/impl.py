@@ -13,7 +13,6 @@ them (a new configuration's book starts new records).
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +20,12 @@ import torch
 
 from sfi.coverage import misses, page_scores, probe_page, top_pages, unheld_pages
 from sfi.kernels import attention_logits
+from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
-from sfi.refresh_selection import SelectionRule
+from sfi.refresh_selection import SelectionGroup, SelectionRule
+from sfi.rows import Rows
 from sfi.scorers import key_norms_of
-from sfi.vllm.metadata import SFIMetadata
+from sfi.vllm.metadata import SFIMetadata, layer_index
 from sfi.vllm.paged import (
     CacheLayout,
     RequestRefresh,
@@ -34,9 +35,9 @@ from sfi.vllm.paged import (
     read_blocks,
     read_positions,
     read_prefix,
-    select_refreshes,
+    window_selections,
 )
-from sfi.vllm.requests import SELECT, RequestBook
+from sfi.vllm.requests import SELECT, RequestBook, RowPlan
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +122,12 @@ class SFIImpl:
         requests = md.book
         md.plan()
         if self.layer_idx is None:
-            self.layer_idx = _layer_index(layer)
+            self.layer_idx = layer_index(layer.layer_name)
         if self.layer_idx < requests.config.dense_layers:
             # one of the first dense_layers layers: every row reads vLLM's cache, none selects
             # (as in the transformers path, whose memories at these layers are never read)
             stock(layer, query, key, value, kv_cache, md.stock, output)
-            return output
+            return self._finish(md, output)
         self._ensure_buffers(requests, md, kv_cache, query)
         self._record_prompt_queries(md, query)
         if md.fast is None:
@@ -146,6 +147,13 @@ class SFIImpl:
             output.index_copy_(0, md.fast_tokens, part)
             if self.layer_idx in requests.probes:
                 self._probe_coverage(layer, requests, md, query, kv_cache)
+        return self._finish(md, output)
+
+    def _finish(self, md: SFIMetadata, output: torch.Tensor) -> torch.Tensor:
+        """After the step's last layer: the slow rows' refreshes, all layers' selected together
+        and packed (their memories are read from the next step on)."""
+        if self.layer_idx == md.last_layer:
+            md.rebuilder.flush()
         return output
 
     def _ensure_buffers(self, requests: RequestBook, md: SFIMetadata, kv_cache: torch.Tensor,
@@ -174,13 +182,17 @@ class SFIImpl:
 
     def _refresh(self, layer: Any, requests: RequestBook, md: SFIMetadata, query: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
-        """Select the memories of every row that refreshes at this step (in one call) and pack
-        them into their slots (in one cache write)."""
+        """Select the memories of every row that refreshes at this step and pack them into
+        their slots. A first selection (``select``: read fast at this very step) is made and
+        packed at once; a slow step's refresh (read from the next step on) goes to the step's
+        rebuilder, which selects the refreshes of all layers together when the step's last
+        layer has run (:class:`sfi.overlap.StackingRebuilder`, the transformers path's)."""
         if not md.refreshing:
             return
         layout = _cache_layout(layer, self, kv_cache)
-        cache_keys, cache_values = layout.halves(kv_cache)
-        refreshes, records = [], []
+        cache_keys = layout.halves(kv_cache)[0]
+        page = probe_page(requests.config) if self.layer_idx in requests.probes else None
+        refreshes, records, pages = [], [], []
         for plan in md.refreshing:
             block_row = md.block_table[plan.row]
             if plan.kind == SELECT:  # evidence: the prompt's last W queries, keys of the prompt
@@ -198,27 +210,28 @@ class SFIImpl:
             refreshes.append(RequestRefresh(plan.memory, queries, keys, record.selected,
                                             record.norms))
             records.append(record)
+            pages.append(None if page is None else _page_summaries(record.coverage, keys, page))
+        rule = SelectionRule.of(requests.config)
+        groups = (SelectionGroup(requests.scorer, rule, None),)
         softcap = getattr(self, "logits_soft_cap", None) or None
-        chosen = select_refreshes(requests.scorer, SelectionRule.of(requests.config),
-                                  self.layer_idx, refreshes, self.scale, softcap)
-        per_slot = md.builder.blocks_per_slot(requests)
-        probing = self.layer_idx in requests.probes
-        packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for plan, refresh, record, selected in zip(md.refreshing, refreshes, records, chosen):
-            memory, keys = plan.memory, refresh.keys
-            record.selected = selected
-            if probing:
-                record.coverage = _slot_coverage(record.coverage, keys, selected, memory,
-                                                 probe_page(requests.config))
-            positions = memory_positions(memory, selected, keys.shape[1])  # [H, L]
-            heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
-            first = plan.slot * per_slot * cache_keys.shape[2]
-            values = read_positions(cache_values, md.block_table[plan.row], positions,
-                                    layout.values)
-            packed.append((keys[heads, positions].transpose(0, 1), values.transpose(0, 1),
-                           torch.arange(first, first + positions.shape[1], device=keys.device)))
-        new_keys, new_values, slots = (torch.cat(parts) for parts in zip(*packed))
-        _store(layer, self, self.buffer, new_keys, new_values, slots)
+        for now in (True, False):
+            chosen = [i for i, plan in enumerate(md.refreshing) if (plan.kind == SELECT) == now]
+            if not chosen:
+                continue
+            for part in window_selections(requests.scorer, rule, self.layer_idx,
+                                          [refreshes[i] for i in chosen], self.scale, softcap):
+                rows = [chosen[i] for i in part.members]
+                target = _PackTarget(layer, self, kv_cache, layout, md,
+                                     [md.refreshing[i] for i in rows],
+                                     [records[i] for i in rows], [pages[i] for i in rows],
+                                     [refreshes[i].memory.k for i in rows])
+                refresh = Refresh(Rows(tuple(rows), len(refreshes), kv_cache.device),
+                                  part.evidence, groups, part.k, part.pins, part.previous,
+                                  target.pack, requests.capacity)
+                if now:
+                    refresh.run()
+                else:
+                    md.rebuilder.submit(refresh, [])
 
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -265,23 +278,60 @@ def _key_norms(held: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([held, key_norms_of(keys[:, held.shape[1]:])], dim=1)
 
 
-def _slot_coverage(previous: SlotCoverage | None, keys: torch.Tensor, selected: torch.Tensor,
-                   memory: Any, page: int) -> SlotCoverage:
-    """A probe layer's record of a request's new memory: ``keys [H, T, D]`` its keys read at
-    the refresh, ``selected [H, k]``; the page bounds of ``previous`` (its last record) are
-    brought up to date."""
-    t, device = keys.shape[1], keys.device
+def _page_summaries(previous: SlotCoverage | None, keys: torch.Tensor, page: int
+                    ) -> PageSummaries:
+    """A probe layer's page bounds of a request whose keys ``[H, T, D]`` a refresh read: those
+    of ``previous`` (its last record) brought up to date, or summarised afresh."""
     pages = previous.pages if previous is not None else None
-    if pages is None or not pages.matches(page, None) or pages.done > t:
+    if pages is None or not pages.matches(page, None) or pages.done > keys.shape[1]:
         pages = PageSummaries(page)
     pages.update(keys[None])
-    outside = unheld_pages(selected[None], torch.ones_like(selected[:1], dtype=torch.bool),
-                           torch.tensor([memory.sink_end], device=device),
-                           torch.tensor([memory.recent_start], device=device),
-                           pages=pages.count, page=page)
-    return SlotCoverage(pages=pages, outside=outside)
+    return pages
 
 
-def _layer_index(layer: Any) -> int:
-    found = re.findall(r"\.(\d+)\.", f".{layer.layer_name}.")
-    return int(found[0]) if found else 0
+@dataclass(frozen=True)
+class _PackTarget:
+    """Where one layer's refreshed memories go: the rows (``plans``) whose new selections a
+    refresh packs into their slots of the layer's buffer, from the layer's cache."""
+
+    layer: Any
+    impl: SFIImpl
+    kv_cache: torch.Tensor
+    layout: CacheLayout
+    md: SFIMetadata
+    plans: list[RowPlan]
+    records: list[SlotRecord]
+    pages: list[PageSummaries | None]
+    k: list[int]
+
+    def pack(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Record each row's selection (its first ``k`` of ``slots [n, H, k_max]``; in probe
+        layers, also the pages its memory leaves out) and write the sinks, the selection and
+        the recent window of each into its slot (one cache write): the packed ``(keys,
+        values)`` ``[L, H, D]`` and their buffer slots ``[L]``."""
+        chosen = [slots[row, :, :k] for row, k in enumerate(self.k)]
+        cache_keys, cache_values = self.layout.halves(self.kv_cache)
+        md = self.md
+        per_slot = md.builder.blocks_per_slot(md.book)
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for plan, record, pages, selected in zip(self.plans, self.records, self.pages, chosen):
+            memory = plan.memory
+            end = plan.total if plan.kind != SELECT else plan.total - 1
+            record.selected = selected
+            if pages is not None:
+                record.coverage = SlotCoverage(pages, unheld_pages(
+                    selected[None], torch.ones_like(selected[:1], dtype=torch.bool),
+                    torch.tensor([memory.sink_end], device=selected.device),
+                    torch.tensor([memory.recent_start], device=selected.device),
+                    pages=pages.count, page=pages.page))
+            positions = memory_positions(memory, selected, end)  # [H, L]
+            block_row = md.block_table[plan.row]
+            keys = read_positions(cache_keys, block_row, positions, self.layout.key_order)
+            values = read_positions(cache_values, block_row, positions, self.layout.values)
+            first = plan.slot * per_slot * cache_keys.shape[2]
+            parts.append((keys.transpose(0, 1), values.transpose(0, 1),
+                          torch.arange(first, first + positions.shape[1],
+                                       device=selected.device)))
+        new_keys, new_values, slots = (torch.cat(p) for p in zip(*parts))
+        _store(self.layer, self.impl, self.impl.buffer, new_keys, new_values, slots)
+        return new_keys, new_values, slots

@@ -14,6 +14,7 @@ module state.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
@@ -25,6 +26,7 @@ from vllm.distributed import (
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 
 from sfi.cost_model import weight_positions
+from sfi.overlap import StackingRebuilder
 from sfi.scorers.registry import make_scorer
 from sfi.triggers import token_classes
 from sfi.vllm.requests import (
@@ -230,6 +232,8 @@ class SFIMetadata:
             fast_slot_index: ``[n_fast]`` their slots; fast_plans: their plans.
         plans: what each row does (empty until planned); refreshing: the slow and selecting
             rows among them; recording: the prompt chunks whose last queries are kept.
+        last_layer: the last model layer this metadata serves (the builder's), after which
+            the slow rows' refreshes held by ``rebuilder`` are selected together and packed.
     """
 
     common: CommonAttentionMetadata
@@ -255,6 +259,8 @@ class SFIMetadata:
     recording: list[RowPlan] = field(default_factory=list)
     planned: bool = False
     input_ids: torch.Tensor | None = None  # the step's input tokens, attached by the model
+    last_layer: int = -1
+    rebuilder: StackingRebuilder = field(default_factory=StackingRebuilder)
 
     def plan(self) -> None:
         """Decide every row (once per step, when the first layer runs) and build the stock
@@ -347,7 +353,8 @@ class SFIBuilder:
                            key_column=block_table[:, 0],
                            query_lens=[starts[r + 1] - starts[r] for r in range(n)],
                            seq_lens=None if host_lens is None else _on_host(host_lens[:n]),
-                           query_start=starts, block_table=block_table)
+                           query_start=starts, block_table=block_table,
+                           last_layer=max(layer_index(name) for name in self.layer_names))
 
     def _full_attention(self) -> bool:
         """A causal decoder layer that sees its whole context (no sliding window)."""
@@ -368,3 +375,10 @@ class SFIBuilder:
 
     def blocks_per_slot(self, requests: RequestBook) -> int:
         return blocks_per_slot(requests.capacity, self.block_size)
+
+
+def layer_index(name: str) -> int:
+    """The model layer a vLLM attention layer's name (``model.layers.3.self_attn.attn``)
+    names (0 when it names none)."""
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(found[0]) if found else 0

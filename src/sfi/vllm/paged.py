@@ -24,7 +24,7 @@ import torch
 
 from sfi.kernels import attention_logits, evidence_bias, window_logits
 from sfi.refresh_selection import PreviousSelection, SelectionRule, previous_selection, select
-from sfi.scorers import Scorer, make_evidence
+from sfi.scorers import Evidence, Scorer, make_evidence, scores_rows_alone
 from sfi.sequence_policy import Memory
 
 KeyLayout = None | str | torch.Tensor
@@ -224,22 +224,51 @@ class RequestRefresh:
     key_norms: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class WindowSelection:
+    """One selection's inputs (:func:`sfi.refresh_selection.select`) for the requests of one
+    layer's refreshes that have the same number of evidence queries.
+
+    Attributes:
+        members: their indices among the layer's refreshes.
+        k: ``[n]`` positions per KV head each one selects; pins: ``[n]`` its pinned slots.
+        evidence: their stacked evidence (keys padded to the longest); it carries the queries
+            and keys only for a scorer that reads them (not ``scores_rows_alone``).
+        previous: what their replaced memories held (hysteresis, pins), or None.
+    """
+
+    members: tuple[int, ...]
+    evidence: Evidence
+    k: torch.Tensor
+    pins: torch.Tensor
+    previous: PreviousSelection | None
+
+
+def window_selections(scorer: Scorer, rule: SelectionRule, layer_idx: int,
+                      refreshes: Sequence[RequestRefresh], scale: float, softcap: float | None
+                      ) -> list[WindowSelection]:
+    """The refreshes of one layer at a step as one :class:`WindowSelection` per number of
+    evidence queries (all the requests with that number at once, their keys padded to the
+    longest)."""
+    by_window: dict[int, list[int]] = {}
+    for i, refresh in enumerate(refreshes):
+        by_window.setdefault(refresh.queries.shape[0], []).append(i)
+    return [_window_selection(scorer, rule, layer_idx, refreshes, tuple(members), w, scale,
+                              softcap) for w, members in by_window.items()]
+
+
 def select_refreshes(scorer: Scorer, rule: SelectionRule, layer_idx: int,
                      refreshes: Sequence[RequestRefresh], scale: float, softcap: float | None
                      ) -> list[torch.Tensor]:
     """The ``[H, k]`` slots (pinned ones first, each part in increasing position order) of every
     request that refreshes at a step: one :func:`sfi.refresh_selection.select` per number of
-    evidence queries, over all those requests at once (their keys padded to the longest)."""
+    evidence queries (:func:`window_selections`)."""
     chosen: list[torch.Tensor | None] = [None] * len(refreshes)
-    by_window: dict[int, list[int]] = {}
-    for i, refresh in enumerate(refreshes):
-        by_window.setdefault(refresh.queries.shape[0], []).append(i)
-    for w, members in by_window.items():
-        group = [refreshes[i] for i in members]
-        for i, slots in zip(members, _select_group(scorer, rule, layer_idx, group, w, scale,
-                                                   softcap)):
-            chosen[i] = slots
-    return chosen
+    for part in window_selections(scorer, rule, layer_idx, refreshes, scale, softcap):
+        slots = select(scorer, part.evidence, part.k, rule, part.pins, part.previous)
+        for row, i in enumerate(part.members):
+            chosen[i] = slots[row, :, : refreshes[i].memory.k]
+    return chosen  # type: ignore[return-value]
 
 
 def _padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
@@ -259,10 +288,12 @@ def _padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
-def _select_group(scorer: Scorer, rule: SelectionRule, layer_idx: int,
-                  group: Sequence[RequestRefresh], w: int, scale: float, softcap: float | None
-                  ) -> list[torch.Tensor]:
-    """:func:`select_refreshes` for requests with the same number ``w`` of evidence queries."""
+def _window_selection(scorer: Scorer, rule: SelectionRule, layer_idx: int,
+                      refreshes: Sequence[RequestRefresh], members: tuple[int, ...], w: int,
+                      scale: float, softcap: float | None) -> WindowSelection:
+    """:func:`window_selections` for the ``members`` of ``refreshes``, which have ``w``
+    evidence queries each."""
+    group = [refreshes[i] for i in members]
     n = len(group)
     ends = [r.keys.shape[1] for r in group]
     t = max(ends)
@@ -286,15 +317,15 @@ def _select_group(scorer: Scorer, rule: SelectionRule, layer_idx: int,
     norms = None
     if all(r.key_norms is not None for r in group):
         norms = _padded([r.key_norms for r in group], t)
+    query = None if scores_rows_alone(scorer) else q.reshape(n, h, -1, d)
     evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys, key_norms=norms, queries=w,
-                             query=q.reshape(n, h, -1, d))
+                             query=query)
     k = torch.tensor([m.k for m in memories], device=device)
     pins = torch.tensor([m.pinned for m in memories], device=device)
     previous = None
     if rule.hysteresis > 0 or any(m.pinned for m in memories):
         previous = _previous(group, h, t, device, rule.hysteresis > 0)
-    slots = select(scorer, evidence, k, rule, pins, previous)
-    return [slots[row, :, : m.k] for row, m in enumerate(memories)]
+    return WindowSelection(members, evidence, k, pins, previous)
 
 
 def _previous(group: Sequence[RequestRefresh], h: int, t: int, device: torch.device,
