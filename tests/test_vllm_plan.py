@@ -230,9 +230,13 @@ def test_paged_reads_return_each_position(transposed):
         alone = [read_prefix(half, row, 16, layout) for row in rows]
         assert torch.equal(read_blocks(half, rows, layout), torch.stack(alone))
     both = torch.stack([positions, positions.flip(-1)])
-    assert torch.equal(read_positions(half, rows, both, order),
-                       torch.stack([read_positions(half, row, p, order)
-                                    for row, p in zip(rows, both)]))
+    for layout in ((order, DIM_MAJOR) if transposed else (None,)):  # the named layout reads
+        # what its permutation reads
+        got = read_positions(half, block_row, positions, layout)
+        assert torch.equal(got, torch.stack([expected[i, positions[i]] for i in range(h)]))
+        assert torch.equal(read_positions(half, rows, both, layout),
+                           torch.stack([read_positions(half, row, p, layout)
+                                        for row, p in zip(rows, both)]))
 
 
 def write_per_position(cache, keys, values, slots):

@@ -262,7 +262,7 @@ class SFIImpl:
                                     length=totals)
         rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
         chosen = read_positions(cache_keys, md.block_table.index_select(0, rows), positions,
-                                layout.key_order)  # [n, H, top * page, D]
+                                layout.keys)  # [n, H, top * page, D]
         found = misses(q, chosen, real, lse, threshold=c.coverage_threshold, scale=self.scale,
                        softcap=softcap)
         # kept where the model runs (no wait for the device here); the next step's plan reads
@@ -326,7 +326,7 @@ class _PackTarget:
                     pages=pages.count, page=pages.page))
             positions = memory_positions(memory, selected, end)  # [H, L]
             block_row = md.block_table[plan.row]
-            keys = read_positions(cache_keys, block_row, positions, self.layout.key_order)
+            keys = read_positions(cache_keys, block_row, positions, self.layout.keys)
             values = read_positions(cache_values, block_row, positions, self.layout.values)
             first = plan.slot * per_slot * cache_keys.shape[2]
             parts.append((keys.transpose(0, 1), values.transpose(0, 1),

@@ -48,14 +48,12 @@ class CacheLayout:
     Attributes:
         split: :data:`BLOCKS` or :data:`CHANNELS`.
         keys: how the key half stores a block's ``bs * D`` entries (a :data:`KeyLayout`).
-        key_order / values: the key and value halves' orders as :func:`read_positions` takes
-            them, a ``[bs * D]`` permutation or None (natural).
-        With the channels split all are natural.
+        values: the value half's order, a ``[bs * D]`` permutation or None (natural).
+        With the channels split both are natural.
     """
 
     split: str
     keys: KeyLayout = None
-    key_order: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
     def halves(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +94,7 @@ def probe_layout(write: CacheWrite, bs: int, d: int, dtype: torch.dtype,
             continue
         if split == CHANNELS and (key_order is not None or value_order is not None):
             continue  # permuted along channels: no backend does this, and reads would copy
-        return CacheLayout(split, _named(key_order, bs, d), key_order, value_order)
+        return CacheLayout(split, _named(key_order, bs, d), value_order)
     raise RuntimeError("the backend's cache op does not store a block as sfi knows how to read "
                        "it (keys then values per head, or per position)")
 
@@ -174,20 +172,22 @@ def read_blocks(half: torch.Tensor, block_rows: torch.Tensor,
 
 
 def read_positions(half: torch.Tensor, block_row: torch.Tensor, positions: torch.Tensor,
-                   order: torch.Tensor | None = None) -> torch.Tensor:
+                   layout: KeyLayout = None) -> torch.Tensor:
     """``[H, L, D]``: head h's entry at ``positions [H, L]`` (cache positions per head), from
-    blocks stored ``[bs, D]`` or in the ``order`` of a :data:`KeyLayout` permutation. With
-    ``block_row [n, max_blocks]`` (n requests' blocks) and ``positions [n, H, L]``: ``[n, H, L,
-    D]``."""
+    blocks stored as ``layout`` says (a :data:`KeyLayout`: ``[bs, D]``, dim-major, or a
+    permutation). With ``block_row [n, max_blocks]`` (n requests' blocks) and ``positions [n,
+    H, L]``: ``[n, H, L, D]``."""
     nb, h, bs, d = half.shape
     if block_row.dim() == 2:
         blocks = block_row.long().gather(1, (positions // bs).flatten(1)).view_as(positions)
     else:
         blocks = block_row.long()[positions // bs]
     heads = torch.arange(h, device=positions.device)[:, None]
-    if order is None:
+    if layout is None:
         return half[blocks, heads, positions % bs]
-    where = order.to(half.device).view(bs, d)[positions % bs]  # [H, L, D]
+    if isinstance(layout, str):  # each entry's D channels a stride bs apart: one gather
+        return half.view(nb, h, d, bs)[blocks, heads, :, positions % bs]
+    where = layout.to(half.device).view(bs, d)[positions % bs]  # [H, L, D]
     return half.reshape(nb, h, bs * d)[blocks[..., None], heads[..., None], where]
 
 
