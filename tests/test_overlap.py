@@ -132,3 +132,36 @@ def test_a_forward_that_fails_leaves_no_refresh_behind():
     for attention, layer, memory in zip(cache.attention, cache.layers, before):
         attention.settle(wait=True)
         assert attention.pending is None and torch.equal(layer.compact_positions, memory)
+
+
+def test_a_stacked_refresh_frees_its_memory_once_dropped():
+    """A landed refresh's packed tensors go with the last reference to it: no reference cycle
+    keeps them until the cycle collector runs (the vLLM plugin drops them at once)."""
+    import gc
+    import weakref
+
+    from sfi.overlap import Refresh
+    from sfi.refresh_selection import SelectionGroup, SelectionRule
+    from sfi.rows import Rows
+    from sfi.scorers import make_evidence
+    from sfi.scorers.registry import make_scorer
+
+    n, h, t = 1, 2, 32
+    evidence = make_evidence(torch.randn(n, h, 1, t), 0, torch.tensor([2]), torch.tensor([24]),
+                             key_norms=torch.rand(n, h, t))
+    group = SelectionGroup(make_scorer("sfi", SFIConfig()), SelectionRule(), None)
+    refresh = Refresh(Rows((0,), 1, torch.device("cpu")), evidence, (group,), torch.tensor([4]),
+                      torch.tensor([0]), None,
+                      lambda slots: (torch.zeros(1000), torch.zeros(1000), slots), 8)
+    rebuilder = StackingRebuilder()
+    gc.disable()
+    try:
+        staged = rebuilder.submit(refresh, [])
+        assert rebuilder.waiting and not staged.ready()
+        rebuilder.flush()
+        assert staged.ready() and not rebuilder.waiting
+        keys = weakref.ref(staged.keys)
+        del staged
+        assert keys() is None
+    finally:
+        gc.enable()

@@ -120,3 +120,22 @@ def test_slot_records_belong_to_the_book_that_planned_them():
     assert 0 in impl.records  # the same book's next step keeps them
     impl._ensure_buffers(second, step, cache, query)
     assert impl.records == {}  # request 0 of the new book is not the old book's request 0
+
+
+def test_a_step_whose_refreshes_were_never_packed_is_refused():
+    """The slow rows' refreshes are packed after the step's last layer; if that layer never ran
+    with SFI's metadata, the next step refuses to plan (its fast rows would read stale slots)."""
+    from sfi.overlap import StackingRebuilder
+    from sfi.scorers.registry import make_scorer
+    from sfi.vllm.metadata import check_packed
+    from sfi.vllm.requests import RequestBook, slot_capacity
+
+    config = SFIConfig(trigger="fixed", period=8, coverage_layers=0)
+    book = RequestBook(config, 2, slot_capacity(config, 256), make_scorer("sfi", config))
+    first = StackingRebuilder()
+    check_packed(book, first)
+    check_packed(book, StackingRebuilder())  # the first packed everything: planned
+    unpacked = Namespace(waiting=True, discard=lambda: None)
+    book.step_rebuilder = unpacked
+    with pytest.raises(RuntimeError, match="never packed"):
+        check_packed(book, StackingRebuilder())

@@ -12,8 +12,10 @@ per position, at these sizes).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -148,9 +150,15 @@ class StackingRebuilder:
         self._waiting: list[tuple[Refresh, StagedCompact]] = []
         self._bytes = 0
 
+    @property
+    def waiting(self) -> bool:
+        """Whether refreshes wait for a :meth:`flush`."""
+        return bool(self._waiting)
+
     def submit(self, refresh: Refresh, inputs: list[torch.Tensor]) -> StagedCompact:
         staged = StagedCompact(refresh.rows, None, None, None, refresh.width,  # type: ignore[arg-type]
-                               lambda: staged.keys is not None or staged.dropped, self.flush)
+                               _always, self.flush)
+        staged.ready = partial(_landed, weakref.ref(staged))  # (no cycle: freed when dropped)
         if refresh.stack_key() is None:
             _land(staged, refresh.run())
             return staged
@@ -204,6 +212,12 @@ def _select_stacked(refreshes: list[Refresh]) -> list[torch.Tensor]:
         out.append(slots[start: start + n, :, : int(r.k.max())])
         start += n
     return out
+
+
+def _landed(staged: weakref.ref[StagedCompact]) -> bool:
+    """Whether a staged refresh has its memory (or was dropped)."""
+    this = staged()
+    return this is None or this.keys is not None or this.dropped
 
 
 def _land(staged: StagedCompact, packed: Packed) -> None:

@@ -277,6 +277,7 @@ class SFIMetadata:
         if requests.probes and requests.missed is None:
             requests.missed = torch.zeros(requests.slots, dtype=torch.bool,
                                           device=self.key_column.device)
+        check_packed(requests, self.rebuilder)
         tokens, self.keys, self.seq_lens, flags = _host_inputs(self)
         if flags:
             requests.apply_coverage_flags(flags)
@@ -375,6 +376,20 @@ class SFIBuilder:
 
     def blocks_per_slot(self, requests: RequestBook) -> int:
         return blocks_per_slot(requests.capacity, self.block_size)
+
+
+def check_packed(requests: RequestBook, rebuilder: StackingRebuilder) -> None:
+    """Refuse to plan a step while the last step's refreshes still wait: its last layer
+    (:attr:`SFIMetadata.last_layer`) never ran with SFI's metadata, so their memories were
+    never packed and fast rows would read stale slots. ``rebuilder`` (this step's) becomes the
+    one the next step checks."""
+    last = requests.step_rebuilder
+    requests.step_rebuilder = rebuilder
+    if last is not None and last.waiting:
+        last.discard()
+        raise RuntimeError("sfi.vllm: the last step's memory refreshes were never packed (the "
+                           "step's last attention layer did not run with SFI's metadata); "
+                           "please report this model to sfi")
 
 
 def layer_index(name: str) -> int:

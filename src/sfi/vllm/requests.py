@@ -172,6 +172,9 @@ class RequestBook:
         # the probes' misses since the last step's decisions, per slot, where the model runs
         # (a [slots] tensor the glue keeps, so that a probe never waits for the device)
         self.missed: Any = None
+        # the rebuilder of the last step that planned refreshes: they must have been packed by
+        # the time the next step plans (``sfi.vllm.metadata.check_packed``)
+        self.step_rebuilder: Any = None
         self._serials = itertools.count()  # the requests' serial numbers (:attr:`RowPlan.request`)
 
     # --- the step --------------------------------------------------------------------------
