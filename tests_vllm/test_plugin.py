@@ -113,6 +113,28 @@ def test_mixed_batches_and_reused_slots_equal_requests_alone(smol, essay_prompts
     assert s.requests == 6 and s.slots_reused >= 2
 
 
+def test_a_slow_steps_refreshes_are_selected_together(smol, essay_prompts):
+    """A slow row's refreshes wait for the step's last layer and are selected in one call over
+    all layers (the transformers path's ``StackingRebuilder``); a first selection, read fast at
+    its own step, is made in each layer as it runs."""
+    import sfi.overlap
+
+    original = sfi.overlap.select_groups
+    calls: list[int] = []
+
+    def counting(groups, evidence, k, *args):
+        calls.append(len(k))  # rows selected in this call
+        return original(groups, evidence, k, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sfi.overlap, "select_groups", counting)
+        generate(smol, essay_prompts[:1], SFI, max_tokens=24)
+    layers, slow = len(backend.book().layers), stats().rows["slow"]
+    assert slow >= 2  # a fixed period of 8
+    assert calls.count(1) == layers  # the first selection: one call per layer
+    assert calls.count(layers) == slow and len(calls) == layers + slow
+
+
 @pytest.fixture(scope="module")
 def full_48(smol, essay_prompts):
     """The default model's transformers path and its texts, and each essay prompt's 48 greedy
@@ -289,24 +311,3 @@ def test_uninstall_puts_the_stock_model_classes_back():
     finally:
         backend.install()  # as the session's other tests expect it
 
-
-def test_a_slow_steps_refreshes_are_selected_together(smol, essay_prompts):
-    """A slow row's refreshes wait for the step's last layer and are selected in one call over
-    all layers (the transformers path's ``StackingRebuilder``); a first selection, read fast at
-    its own step, is made in each layer as it runs."""
-    import sfi.overlap
-
-    original = sfi.overlap.select_groups
-    calls: list[int] = []
-
-    def counting(groups, evidence, k, *args):
-        calls.append(len(k))  # rows selected in this call
-        return original(groups, evidence, k, *args)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sfi.overlap, "select_groups", counting)
-        generate(smol, essay_prompts[:1], SFI, max_tokens=24)
-    layers, slow = len(backend.book().layers), stats().rows["slow"]
-    assert slow >= 2  # a fixed period of 8
-    assert calls.count(1) == layers  # the first selection: one call per layer
-    assert calls.count(layers) == slow and len(calls) == layers + slow
