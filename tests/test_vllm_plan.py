@@ -14,7 +14,7 @@ import torch
 import sfi
 from sfi import SFIConfig
 from sfi.errors import SFIConfigError
-from sfi.refresh_selection import SelectionRule
+from sfi.refresh_selection import SelectionRule, select
 from sfi.scorers.registry import make_scorer
 from sfi.sequence_policy import refresh_memory
 from sfi.triggers import token_classes
@@ -29,7 +29,7 @@ from sfi.vllm.paged import (
     read_blocks,
     read_positions,
     read_prefix,
-    select_refreshes,
+    window_selections,
 )
 from sfi.vllm.requests import (
     DENSE,
@@ -292,6 +292,17 @@ def test_the_plugins_buffer_keeps_the_caches_physical_order():
     assert [buffer.stride(i) > buffer.stride(j) for i, j in ((0, 2), (2, 1), (1, 3))] == \
         [True] * 3
     assert empty_like_cache(torch.zeros(7, 2, 16, 64), 3).is_contiguous()
+
+
+def select_refreshes(scorer, rule, layer_idx, refreshes, scale, softcap):
+    """Each refresh's ``[H, k]`` slots as the plugin selects them: one selection per number of
+    evidence queries (``window_selections``), all its requests at once."""
+    chosen = [None] * len(refreshes)
+    for part in window_selections(scorer, rule, layer_idx, refreshes, scale, softcap):
+        slots = select(scorer, part.evidence, part.k, rule, part.pins, part.previous)
+        for row, i in enumerate(part.members):
+            chosen[i] = slots[row, :, : refreshes[i].memory.k]
+    return chosen
 
 
 def select_one(scorer, memory, queries, keys, rule=None, previous=None):

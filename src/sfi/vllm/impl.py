@@ -195,17 +195,15 @@ class SFIImpl:
         refreshes, records, pages = [], [], []
         for plan in md.refreshing:
             block_row = md.block_table[plan.row]
-            if plan.kind == SELECT:  # evidence: the prompt's last W queries, keys of the prompt
-                end = plan.total - 1
+            if plan.kind == SELECT:  # evidence: the prompt's last W queries
                 queries = self.prompt_queries[plan.slot, -plan.evidence:]
-            else:  # evidence: this step's query, keys up to and with its own
-                end = plan.total
+            else:  # evidence: this step's query
                 start = md.query_start[plan.row]
                 queries = query[start: start + 1]
             record = self.records.get(plan.slot)
             if record is None or record.request != plan.request:
                 record = self.records[plan.slot] = SlotRecord(plan.request)
-            keys = read_prefix(cache_keys, block_row, end, layout.keys)
+            keys = read_prefix(cache_keys, block_row, _keys_end(plan), layout.keys)
             record.norms = _key_norms(record.norms, keys)
             refreshes.append(RequestRefresh(plan.memory, queries, keys, record.selected,
                                             record.norms))
@@ -223,8 +221,7 @@ class SFIImpl:
                 rows = [chosen[i] for i in part.members]
                 target = _PackTarget(layer, self, kv_cache, layout, md,
                                      [md.refreshing[i] for i in rows],
-                                     [records[i] for i in rows], [pages[i] for i in rows],
-                                     [refreshes[i].memory.k for i in rows])
+                                     [records[i] for i in rows], [pages[i] for i in rows])
                 refresh = Refresh(Rows(tuple(rows), len(refreshes), kv_cache.device),
                                   part.evidence, groups, part.k, part.pins, part.previous,
                                   target.pack, requests.capacity)
@@ -278,6 +275,12 @@ def _key_norms(held: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([held, key_norms_of(keys[:, held.shape[1]:])], dim=1)
 
 
+def _keys_end(plan: RowPlan) -> int:
+    """Where a refreshing row's keys end: a first selection's at the prompt's end (its new
+    token is appended to the slot by the fast read), a slow row's with this step's own."""
+    return plan.total - 1 if plan.kind == SELECT else plan.total
+
+
 def _page_summaries(previous: SlotCoverage | None, keys: torch.Tensor, page: int
                     ) -> PageSummaries:
     """A probe layer's page bounds of a request whose keys ``[H, T, D]`` a refresh read: those
@@ -302,21 +305,19 @@ class _PackTarget:
     plans: list[RowPlan]
     records: list[SlotRecord]
     pages: list[PageSummaries | None]
-    k: list[int]
 
     def pack(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Record each row's selection (its first ``k`` of ``slots [n, H, k_max]``; in probe
-        layers, also the pages its memory leaves out) and write the sinks, the selection and
-        the recent window of each into its slot (one cache write): the packed ``(keys,
-        values)`` ``[L, H, D]`` and their buffer slots ``[L]``."""
-        chosen = [slots[row, :, :k] for row, k in enumerate(self.k)]
+        """Record each row's selection (the first ``memory.k`` of its ``slots [n, H, k_max]``;
+        in probe layers, also the pages its memory leaves out) and write the sinks, the
+        selection and the recent window of each into its slot (one cache write): the packed
+        ``(keys, values)`` ``[L, H, D]`` and their buffer slots ``[L]``."""
+        chosen = [slots[row, :, : plan.memory.k] for row, plan in enumerate(self.plans)]
         cache_keys, cache_values = self.layout.halves(self.kv_cache)
         md = self.md
         per_slot = md.builder.blocks_per_slot(md.book)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for plan, record, pages, selected in zip(self.plans, self.records, self.pages, chosen):
             memory = plan.memory
-            end = plan.total if plan.kind != SELECT else plan.total - 1
             record.selected = selected
             if pages is not None:
                 record.coverage = SlotCoverage(pages, unheld_pages(
@@ -324,7 +325,7 @@ class _PackTarget:
                     torch.tensor([memory.sink_end], device=selected.device),
                     torch.tensor([memory.recent_start], device=selected.device),
                     pages=pages.count, page=pages.page))
-            positions = memory_positions(memory, selected, end)  # [H, L]
+            positions = memory_positions(memory, selected, _keys_end(plan))  # [H, L]
             block_row = md.block_table[plan.row]
             keys = read_positions(cache_keys, block_row, positions, self.layout.keys)
             values = read_positions(cache_values, block_row, positions, self.layout.values)

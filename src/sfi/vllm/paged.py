@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sfi.kernels import attention_logits, evidence_bias, window_logits
-from sfi.refresh_selection import PreviousSelection, SelectionRule, previous_selection, select
+from sfi.refresh_selection import PreviousSelection, SelectionRule, previous_selection
 from sfi.scorers import Evidence, Scorer, make_evidence, scores_rows_alone
 from sfi.sequence_policy import Memory
 
@@ -255,20 +255,6 @@ def window_selections(scorer: Scorer, rule: SelectionRule, layer_idx: int,
         by_window.setdefault(refresh.queries.shape[0], []).append(i)
     return [_window_selection(scorer, rule, layer_idx, refreshes, tuple(members), w, scale,
                               softcap) for w, members in by_window.items()]
-
-
-def select_refreshes(scorer: Scorer, rule: SelectionRule, layer_idx: int,
-                     refreshes: Sequence[RequestRefresh], scale: float, softcap: float | None
-                     ) -> list[torch.Tensor]:
-    """The ``[H, k]`` slots (pinned ones first, each part in increasing position order) of every
-    request that refreshes at a step: one :func:`sfi.refresh_selection.select` per number of
-    evidence queries (:func:`window_selections`)."""
-    chosen: list[torch.Tensor | None] = [None] * len(refreshes)
-    for part in window_selections(scorer, rule, layer_idx, refreshes, scale, softcap):
-        slots = select(scorer, part.evidence, part.k, rule, part.pins, part.previous)
-        for row, i in enumerate(part.members):
-            chosen[i] = slots[row, :, : refreshes[i].memory.k]
-    return chosen  # type: ignore[return-value]
 
 
 def _padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
