@@ -1,0 +1,168 @@
+"""How much of SFI's teacher-forced KL is drift: the KV of decoded positions, computed from
+sparse attention, against the error of each step's own sparse read.
+
+    .venv/bin/python scripts/kv_drift.py --model qwen2.5-0.5b --context 8192 --seeds 0,1 \
+        --prefill-cache runs/prefills
+
+A decoded token's keys and values at layer l > 0 come from its hidden state, which depends on
+the attention of the layers below it at the step that wrote it: after a fast step they differ
+from full attention's, and every later step (slow ones included, which read densely) reads
+them, most of all through the recent window. Teacher-forced on the ``fidelity`` task's samples
+(``sfi eval --tasks fidelity``: an essay context, then its real continuation), full attention
+and SFI decode in lockstep; per sample three runs of the method:
+
+- ``none``: SFI as it is (what ``sfi eval --tasks fidelity`` measures);
+- ``slow``: after each slow step, the decoded positions' KV in SFI's cache is overwritten with
+  full attention's, and the slow step's own logits are full attention's: what a slow step that
+  also re-ran the tokens since the last one densely would give (teacher-forced, a dense
+  forward over the same tokens writes full attention's KV);
+- ``every``: the KV repaired after every step: what is left is each fast step's own read.
+
+Prints per run KL(full || SFI) per token, averaged, top-1 agreement with full attention, the
+slow steps, and the KL on fast and slow steps apart.
+
+``--block-cost`` measures instead what such a repair would cost: the wall time of a forward of
+1, 8, 16 and 24 tokens through SFI's cache at the context (exact mode's verify path, dense over
+the whole cache; synthetic KV), medians of four, three rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import sfi
+from sfi.bench.throughput import benchmark_ids
+from sfi.decode_cache import FullCache
+from sfi.decode_step import decode_one
+from sfi.eval.tasks import make_sample
+from sfi.methods import build_cache, parse_method
+from sfi.plan import DENSE_STEP, VERIFY
+from sfi.prefill import prefill
+from sfi.prefix import SharedPrefill, prefix_kv
+from sfi.scorers import key_norms_of
+from sfi.slowfast_cache import SlowFastCache
+
+WINDOW = 16
+VARIANTS = ("none", "slow", "every")
+
+
+def repair(cache: SlowFastCache, full: FullCache, start: int, end: int) -> None:
+    """Overwrite ``cache``'s KV (and key norms) at positions ``[start, end)`` with ``full``'s;
+    the page summaries from ``start`` on are made again when next asked."""
+    for layer, dense in zip(cache.layers, full.layers):
+        layer._keys[:, :, start:end] = dense.keys[:, :, start:end]
+        layer._values[:, :, start:end] = dense.values[:, :, start:end]
+        layer._norms[:, :, start:end] = key_norms_of(dense.keys[:, :, start:end])
+        if layer._pages is not None:
+            layer._pages.forget_after(start)
+
+
+@torch.inference_mode()
+def run(model: torch.nn.Module, tokenizer, ids: torch.Tensor, context: int, method: str,
+        budget: float, variant: str, prefix: SharedPrefill) -> dict:
+    """One teacher-forced run of ``variant`` over ``ids [1, context + N]``."""
+    cache = build_cache(model, tokenizer, parse_method(method), budget=budget, context=context)
+    full = FullCache(config=model.config)
+    tail = ids[:, context - WINDOW: context]
+    ours, theirs = [], []
+    for c, out in ((cache, ours), (full, theirs)):
+        prefix.load(c)
+        out.append(prefill(model, c, tail, start=context - WINDOW))
+    slow = []
+    for step in range(1, ids.shape[1] - context):
+        token = ids[0, context + step - 1: context + step]
+        position = torch.tensor([context + step - 1], device=ids.device)
+        ours.append(decode_one(model, cache, token, position))
+        theirs.append(decode_one(model, full, token, position))
+        if "slow" in cache.step_kinds():
+            slow.append(step)
+            if variant == "slow":
+                ours[-1] = theirs[-1]
+        if variant == "every" or (variant == "slow" and slow and slow[-1] == step):
+            repair(cache, full, context, context + step)
+    a, b = torch.cat(ours).float(), torch.cat(theirs).float()
+    kl = F.kl_div(F.log_softmax(a, -1), F.log_softmax(b, -1), log_target=True,
+                  reduction="none").sum(-1)
+    fast = [float(kl[i]) for i in range(kl.shape[0]) if i not in set(slow)]
+    return {"variant": variant, "kl": float(kl.mean()),
+            "top1": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+            "slow_steps": len(slow), "kl_fast": statistics.mean(fast),
+            "kl_slow": statistics.mean(float(kl[i]) for i in slow) if slow else None}
+
+
+@torch.inference_mode()
+def block_cost(model: torch.nn.Module, tokenizer, context: int) -> None:
+    """Print the wall time of dense forwards of 1, 8, 16 and 24 tokens through SFI's cache."""
+    ids = benchmark_ids(tokenizer, context + 64, 1)
+    cache = build_cache(model, tokenizer, "sfi", capacity=context + 64)
+    cache.load_prefix(prefix_kv(model, ids[:, : context - WINDOW], synthetic=True))
+    prefill(model, cache, ids[:, context - WINDOW: context], start=context - WINDOW)
+    times: dict[int, list[float]] = {}
+    for _ in range(3):
+        for n in (1, 8, 16, 24):
+            round_times = []
+            for _ in range(4):
+                cache.phase = VERIFY if n > 1 else DENSE_STEP
+                begin = time.perf_counter()
+                model(input_ids=ids[:, context: context + n],
+                      position_ids=torch.arange(context, context + n)[None],
+                      past_key_values=cache, use_cache=True, logits_to_keep=1)
+                round_times.append(time.perf_counter() - begin)
+                cache.phase = None
+                cache.rewind(context)
+            times.setdefault(n, []).append(statistics.median(round_times))
+    one = statistics.median(times[1])
+    for n, seconds in times.items():
+        print(f"{n:2d} tokens: {', '.join(f'{1000 * s:.1f}' for s in seconds)} ms "
+              f"({statistics.median(seconds) / one:.2f}x one token)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=512, help="teacher-forced tokens")
+    parser.add_argument("--method", default="sfi")
+    parser.add_argument("--budget", type=float, default=0.15)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--prefill-cache", default=None)
+    parser.add_argument("--json", action="store_true", help="one JSON object per run")
+    parser.add_argument("--block-cost", action="store_true",
+                        help="time dense forwards of 1-24 tokens instead (what a repair costs)")
+    args = parser.parse_args()
+    model, tokenizer = sfi.load(args.model)
+    if args.block_cost:
+        block_cost(model, tokenizer, args.context)
+        return
+    device = next(model.parameters()).device
+    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        sample = make_sample("fidelity", tokenizer, args.context, seed,
+                             continuation=args.tokens)
+        ids = torch.tensor([sample.prompt_ids], device=device)
+        prefix = SharedPrefill(model, ids[:, : args.context - WINDOW], store=args.prefill_cache)
+        for variant in VARIANTS:
+            row = run(model, tokenizer, ids, args.context, args.method, args.budget, variant,
+                      prefix)
+            row["seed"] = seed
+            results[variant].append(row)
+            print(json.dumps(row) if args.json else
+                  f"seed {seed} {variant:5s} KL {row['kl']:.4f} top-1 {100 * row['top1']:.1f}% "
+                  f"slow steps {row['slow_steps']} (KL fast {row['kl_fast']:.4f}, slow "
+                  f"{row['kl_slow'] if row['kl_slow'] is None else round(row['kl_slow'], 4)})",
+                  flush=True)
+    if not args.json:
+        for variant, rows in results.items():
+            print(f"{variant:5s} mean KL {statistics.mean(r['kl'] for r in rows):.4f}  top-1 "
+                  f"{100 * statistics.mean(r['top1'] for r in rows):.1f}%  over {len(rows)} "
+                  "samples")
+
+
+if __name__ == "__main__":
+    main()
