@@ -15,11 +15,16 @@ and SFI decode in lockstep; per sample three runs of the method:
 - ``slow``: after each slow step, the decoded positions' KV in SFI's cache is overwritten with
   full attention's, and the slow step's own logits are full attention's: what a slow step that
   also re-ran the tokens since the last one densely would give (teacher-forced, a dense
-  forward over the same tokens writes full attention's KV);
+  forward over the same tokens writes full attention's KV). One difference: the step's refresh
+  here selects from its own query over the KV before the repair, where such a slow step would
+  select from the re-run block's queries;
 - ``every``: the KV repaired after every step: what is left is each fast step's own read.
 
 Prints per run KL(full || SFI) per token, averaged, top-1 agreement with full attention, the
-slow steps, and the KL on fast and slow steps apart.
+slow steps, the measured read fraction (``SlowFastCache.read_fraction``, slow steps counted as
+dense reads; the re-runs a repair would add are not counted), and the KL on the decode steps
+that were slow and on the rest apart (the prefill's token, dense, in neither). SFI methods
+only (``sfi``, ``sfi:PRESET``, ``sfi[...]``): the repair writes into SFI's slab.
 
 ``--block-cost`` measures instead what such a repair would cost: the wall time of a forward of
 1, 8, 16 and 24 tokens through SFI's cache at the context (exact mode's verify path, dense over
@@ -40,7 +45,9 @@ import sfi
 from sfi.bench.throughput import benchmark_ids
 from sfi.decode_cache import FullCache
 from sfi.decode_step import decode_one
+from sfi.eval.runner import WINDOW
 from sfi.eval.tasks import make_sample
+from sfi.hf import cache_argument
 from sfi.methods import build_cache, parse_method
 from sfi.plan import DENSE_STEP, VERIFY
 from sfi.prefill import prefill
@@ -48,13 +55,15 @@ from sfi.prefix import SharedPrefill, prefix_kv
 from sfi.scorers import key_norms_of
 from sfi.slowfast_cache import SlowFastCache
 
-WINDOW = 16
 VARIANTS = ("none", "slow", "every")
 
 
 def repair(cache: SlowFastCache, full: FullCache, start: int, end: int) -> None:
-    """Overwrite ``cache``'s KV (and key norms) at positions ``[start, end)`` with ``full``'s;
-    the page summaries from ``start`` on are made again when next asked."""
+    """Overwrite ``cache``'s KV (and key norms) at positions ``[start, end)`` (one unpadded
+    row) with ``full``'s; the page summaries from ``start`` on are made again when next asked.
+    The compact buffer is left as it is: it holds decoded positions only once they are older
+    than the recent window, and by then a slow step (at most ``refresh_interval`` steps apart,
+    fewer than the window's R) has repaired them before they were gathered."""
     for layer, dense in zip(cache.layers, full.layers):
         layer._keys[:, :, start:end] = dense.keys[:, :, start:end]
         layer._values[:, :, start:end] = dense.values[:, :, start:end]
@@ -68,6 +77,9 @@ def run(model: torch.nn.Module, tokenizer, ids: torch.Tensor, context: int, meth
         budget: float, variant: str, prefix: SharedPrefill) -> dict:
     """One teacher-forced run of ``variant`` over ``ids [1, context + N]``."""
     cache = build_cache(model, tokenizer, parse_method(method), budget=budget, context=context)
+    if not isinstance(cache, SlowFastCache):
+        raise SystemExit(f"--method {method!r}: the repair needs an SFI method (sfi, sfi:paper, "
+                         "sfi[...])")
     full = FullCache(config=model.config)
     tail = ids[:, context - WINDOW: context]
     ours, theirs = [], []
@@ -89,17 +101,19 @@ def run(model: torch.nn.Module, tokenizer, ids: torch.Tensor, context: int, meth
     a, b = torch.cat(ours).float(), torch.cat(theirs).float()
     kl = F.kl_div(F.log_softmax(a, -1), F.log_softmax(b, -1), log_target=True,
                   reduction="none").sum(-1)
-    fast = [float(kl[i]) for i in range(kl.shape[0]) if i not in set(slow)]
+    fast = [float(kl[i]) for i in range(1, kl.shape[0]) if i not in set(slow)]
     return {"variant": variant, "kl": float(kl.mean()),
             "top1": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
-            "slow_steps": len(slow), "kl_fast": statistics.mean(fast),
+            "slow_steps": len(slow), "read": cache.read_fraction()[0],
+            "kl_fast": statistics.mean(fast),
             "kl_slow": statistics.mean(float(kl[i]) for i in slow) if slow else None}
 
 
 @torch.inference_mode()
 def block_cost(model: torch.nn.Module, tokenizer, context: int) -> None:
     """Print the wall time of dense forwards of 1, 8, 16 and 24 tokens through SFI's cache."""
-    ids = benchmark_ids(tokenizer, context + 64, 1)
+    device = next(model.parameters()).device
+    ids = benchmark_ids(tokenizer, context + 64, 1).to(device)
     cache = build_cache(model, tokenizer, "sfi", capacity=context + 64)
     cache.load_prefix(prefix_kv(model, ids[:, : context - WINDOW], synthetic=True))
     prefill(model, cache, ids[:, context - WINDOW: context], start=context - WINDOW)
@@ -111,8 +125,10 @@ def block_cost(model: torch.nn.Module, tokenizer, context: int) -> None:
                 cache.phase = VERIFY if n > 1 else DENSE_STEP
                 begin = time.perf_counter()
                 model(input_ids=ids[:, context: context + n],
-                      position_ids=torch.arange(context, context + n)[None],
-                      past_key_values=cache, use_cache=True, logits_to_keep=1)
+                      position_ids=torch.arange(context, context + n, device=device)[None],
+                      use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 round_times.append(time.perf_counter() - begin)
                 cache.phase = None
                 cache.rewind(context)
@@ -154,7 +170,8 @@ def main() -> None:
             results[variant].append(row)
             print(json.dumps(row) if args.json else
                   f"seed {seed} {variant:5s} KL {row['kl']:.4f} top-1 {100 * row['top1']:.1f}% "
-                  f"slow steps {row['slow_steps']} (KL fast {row['kl_fast']:.4f}, slow "
+                  f"slow steps {row['slow_steps']} read {100 * row['read']:.1f}% "
+                  f"(KL fast {row['kl_fast']:.4f}, slow "
                   f"{row['kl_slow'] if row['kl_slow'] is None else round(row['kl_slow'], 4)})",
                   flush=True)
     if not args.json:
