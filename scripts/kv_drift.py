@@ -7,9 +7,10 @@ sparse attention, against the error of each step's own sparse read.
 A decoded token's keys and values at layer l > 0 come from its hidden state, which depends on
 the attention of the layers below it at the step that wrote it: after a fast step they differ
 from full attention's, and every later step (slow ones included, which read densely) reads
-them, most of all through the recent window. Teacher-forced on the ``fidelity`` task's samples
-(``sfi eval --tasks fidelity``: an essay context, then its real continuation), full attention
-and SFI decode in lockstep; per sample three runs of the method:
+them. Teacher-forced on the ``fidelity`` task's samples (``sfi eval --tasks fidelity``: an
+essay context, then its real continuation), full attention decodes each sample once
+(``sfi.eval.fidelity.teacher_forced_logits``: its logits, and every position's KV), and the
+method three times:
 
 - ``none``: SFI as it is (what ``sfi eval --tasks fidelity`` measures);
 - ``slow``: after each slow step, the decoded positions' KV in SFI's cache is overwritten with
@@ -45,6 +46,7 @@ import sfi
 from sfi.bench.throughput import benchmark_ids
 from sfi.decode_cache import FullCache
 from sfi.decode_step import decode_one
+from sfi.eval.fidelity import agreement, teacher_forced_logits
 from sfi.eval.runner import WINDOW
 from sfi.eval.tasks import make_sample
 from sfi.hf import cache_argument
@@ -52,58 +54,50 @@ from sfi.methods import build_cache, parse_method
 from sfi.plan import DENSE_STEP, VERIFY
 from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill, prefix_kv
-from sfi.scorers import key_norms_of
 from sfi.slowfast_cache import SlowFastCache
 
 VARIANTS = ("none", "slow", "every")
 
 
 def repair(cache: SlowFastCache, full: FullCache, start: int, end: int) -> None:
-    """Overwrite ``cache``'s KV (and key norms) at positions ``[start, end)`` (one unpadded
-    row) with ``full``'s; the page summaries from ``start`` on are made again when next asked.
-    The compact buffer is left as it is: it holds decoded positions only once they are older
-    than the recent window, and by then a slow step (at most ``refresh_interval`` steps apart,
-    fewer than the window's R) has repaired them before they were gathered."""
+    """Rewrite ``cache``'s positions ``[start, end)`` (one unpadded row) with ``full``'s KV,
+    through each slab layer's own ``truncate`` and ``append`` (key norms and page summaries
+    follow). The compact buffer is left as it is: it holds decoded positions only once they
+    are older than the recent window, and by then a slow step (at most ``refresh_interval``
+    steps apart, fewer than the window's R) has repaired them before they were gathered."""
     for layer, dense in zip(cache.layers, full.layers):
-        layer._keys[:, :, start:end] = dense.keys[:, :, start:end]
-        layer._values[:, :, start:end] = dense.values[:, :, start:end]
-        layer._norms[:, :, start:end] = key_norms_of(dense.keys[:, :, start:end])
-        if layer._pages is not None:
-            layer._pages.forget_after(start)
+        layer.truncate(start)
+        layer.append(dense.keys[:, :, start:end], dense.values[:, :, start:end])
 
 
 @torch.inference_mode()
 def run(model: torch.nn.Module, tokenizer, ids: torch.Tensor, context: int, method: str,
-        budget: float, variant: str, prefix: SharedPrefill) -> dict:
-    """One teacher-forced run of ``variant`` over ``ids [1, context + N]``."""
+        budget: float, variant: str, prefix: SharedPrefill, full: FullCache,
+        full_logits: torch.Tensor) -> dict:
+    """One teacher-forced run of ``variant`` over ``ids [1, context + N]``, against full
+    attention's teacher-forced ``full`` cache (every position's KV) and ``full_logits
+    [N, V]``."""
     cache = build_cache(model, tokenizer, parse_method(method), budget=budget, context=context)
     if not isinstance(cache, SlowFastCache):
         raise SystemExit(f"--method {method!r}: the repair needs an SFI method (sfi, sfi:paper, "
                          "sfi[...])")
-    full = FullCache(config=model.config)
-    tail = ids[:, context - WINDOW: context]
-    ours, theirs = [], []
-    for c, out in ((cache, ours), (full, theirs)):
-        prefix.load(c)
-        out.append(prefill(model, c, tail, start=context - WINDOW))
+    prefix.load(cache)
+    ours = [prefill(model, cache, ids[:, context - WINDOW: context], start=context - WINDOW)]
     slow = []
     for step in range(1, ids.shape[1] - context):
         token = ids[0, context + step - 1: context + step]
         position = torch.tensor([context + step - 1], device=ids.device)
-        ours.append(decode_one(model, cache, token, position))
-        theirs.append(decode_one(model, full, token, position))
-        if "slow" in cache.step_kinds():
+        logits = decode_one(model, cache, token, position)
+        is_slow = "slow" in cache.step_kinds()
+        if is_slow:
             slow.append(step)
-            if variant == "slow":
-                ours[-1] = theirs[-1]
-        if variant == "every" or (variant == "slow" and slow and slow[-1] == step):
+        if variant == "every" or (variant == "slow" and is_slow):
             repair(cache, full, context, context + step)
-    a, b = torch.cat(ours).float(), torch.cat(theirs).float()
-    kl = F.kl_div(F.log_softmax(a, -1), F.log_softmax(b, -1), log_target=True,
-                  reduction="none").sum(-1)
+        ours.append(full_logits[step: step + 1] if variant == "slow" and is_slow else logits)
+    kl, top1 = agreement(F.log_softmax(full_logits, dim=-1),
+                         F.log_softmax(torch.cat(ours).float(), dim=-1))
     fast = [float(kl[i]) for i in range(1, kl.shape[0]) if i not in set(slow)]
-    return {"variant": variant, "kl": float(kl.mean()),
-            "top1": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+    return {"variant": variant, "kl": float(kl.mean()), "top1": top1,
             "slow_steps": len(slow), "read": cache.read_fraction()[0],
             "kl_fast": statistics.mean(fast),
             "kl_slow": statistics.mean(float(kl[i]) for i in slow) if slow else None}
@@ -163,9 +157,11 @@ def main() -> None:
                              continuation=args.tokens)
         ids = torch.tensor([sample.prompt_ids], device=device)
         prefix = SharedPrefill(model, ids[:, : args.context - WINDOW], store=args.prefill_cache)
+        full = FullCache(config=model.config)
+        full_logits, _ = teacher_forced_logits(model, full, prefix, ids, args.context, WINDOW)
         for variant in VARIANTS:
             row = run(model, tokenizer, ids, args.context, args.method, args.budget, variant,
-                      prefix)
+                      prefix, full, full_logits)
             row["seed"] = seed
             results[variant].append(row)
             print(json.dumps(row) if args.json else

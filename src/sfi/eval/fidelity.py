@@ -49,9 +49,9 @@ class FidelityResult:
 
 
 @torch.inference_mode()
-def _teacher_forced_logits(model: torch.nn.Module, cache: DecodeCache, prefix: SharedPrefill,
-                           ids: torch.Tensor, context: int, window: int
-                           ) -> tuple[torch.Tensor, list[int]]:
+def teacher_forced_logits(model: torch.nn.Module, cache: DecodeCache, prefix: SharedPrefill,
+                          ids: torch.Tensor, context: int, window: int
+                          ) -> tuple[torch.Tensor, list[int]]:
     """``[N, V]`` logits predicting ``ids[context : context + N]``, and the slow steps."""
     prefix.load(cache)
     device = ids.device
@@ -92,14 +92,14 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
     if prefix is None:
         prefix = SharedPrefill(model, ids[:, : context - window])
     target = ids[0, context:]
-    full, _ = _teacher_forced_logits(model, FullCache(config=model.config), prefix, ids,
+    full, _ = teacher_forced_logits(model, FullCache(config=model.config), prefix, ids,
                                      context, window)
     log_full = F.log_softmax(full, dim=-1)
     ppl_full = perplexity(log_full, target)
     results = []
     for name, method in methods.items():
         cache = _build(model, method, tokenizer)
-        logits, slow = _teacher_forced_logits(model, cache, prefix, ids, context, window)
+        logits, slow = teacher_forced_logits(model, cache, prefix, ids, context, window)
         log_method = F.log_softmax(logits, dim=-1)
         kl, top1 = agreement(log_full, log_method)
         read, fast_read = cache.read_fraction()
