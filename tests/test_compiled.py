@@ -49,13 +49,16 @@ SFI_CASES = {  # (configuration, left padding of the second row)
     # coverage_retry: flagged steps the routing hook runs again, through the graphs above
     "sfi-retry": (dict(page_size=4, coverage_layers=2, coverage_threshold=0.3, coverage_gap=1,
                        coverage_retry=True, trigger="fixed", period=4), 0),
+    # repairing slow steps: eager blocks (a row's slow step, the other row fast) between graphs
+    "sfi-repair": (dict(coverage_layers=0, trigger="random", random_period_min=2,
+                        random_period_max=5, repair_tokens=8), 30),
 }
 
 
 @pytest.mark.parametrize("method", [*SFI_CASES, "full-static", "full"])
 def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method):
-    """Slow, fast and dense steps, a padded batch whose rows refresh at different steps, and
-    coverage_retry's steps done again."""
+    """Slow, fast and dense steps, a padded batch whose rows refresh at different steps,
+    coverage_retry's steps done again, and repairing slow steps' eager blocks."""
     model, tokenizer = tiny_llama_with_tokenizer
     name = method
     torch.manual_seed(1)
@@ -76,15 +79,17 @@ def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method)
         eager_decode(model)
     assert kinds == eager_kinds
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    if config is not None and config.coverage_retry:  # steps were done again, compiled too
+    blocks = compiled.eager_calls - 1  # after the prefill: repairing slow steps' blocks
+    if config is not None and config.repair_tokens:
+        assert blocks > 0 and compiled.compiled_steps + blocks == STEPS
+    elif config is not None and config.coverage_retry:  # steps done again, compiled too
         assert compiled.compiled_steps > STEPS
     else:
-        assert compiled.compiled_steps == STEPS
+        assert blocks == 0 and compiled.compiled_steps == STEPS
     if config is not None:
         assert {"slow", "fast"} <= {kind for step in kinds for kind in step}
     if name == "sfi-rows":  # the rows refreshed at different steps
         assert any(len(set(step)) > 1 for step in kinds)
-    assert compiled.eager_calls == 1  # the prefill
     # (a later SFI case may run through the graph an earlier one built; sfi-rows's mask makes
     # another)
     assert compiled.compile_seconds > 0 or (name in SFI_CASES and name != "sfi")

@@ -97,6 +97,26 @@ def test_exact_requests_equal_full_attention(tiny):
     assert drafted > float(counted["sfi_exact_accepted_total"])  # rejections were exercised
 
 
+def test_a_server_that_repairs_serves_exact_requests(tiny):
+    """With ``repair_tokens`` in the server's configuration its lossy requests repair their
+    slow steps (as ``sfi.generate`` does) and an exact request, whose verify writes full
+    attention's KV already, still gets full attention's reply."""
+    model, tok = tiny
+    repairing = replace(CONFIG, trigger="fixed", period=4, repair_tokens=16)
+    full = sfi.generate(model, tok, PROMPTS[1], mode="full", max_new_tokens=12).text
+    lossy = sfi.generate(model, tok, PROMPTS[1], config=repairing, max_new_tokens=12)
+    assert lossy.stats.repaired_tokens > 0
+    with Server(*tiny, config=repairing) as running:
+        client = running.client()
+        exact = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12,
+                                          temperature=0, extra_body={"mode": "exact"})
+        repaired = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12,
+                                             temperature=0)
+    assert exact.choices[0].text == full
+    assert repaired.choices[0].text == lossy.text
+    assert repaired.model_extra["sfi"]["repaired_tokens"] == lossy.stats.repaired_tokens
+
+
 def test_streaming_completion_and_chat(server):
     client = server.client()
     pieces = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8,

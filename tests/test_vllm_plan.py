@@ -177,10 +177,12 @@ def test_the_plugins_slots_are_set_in_sfi_vllm():
         parse_settings("slots=0")
     with pytest.raises(SFIConfigError, match="draft_tokens set exact mode's drafts"):
         parse_settings("k_head=64,draft_tokens=6")  # not run by the plugin: refused, not ignored
-    with pytest.raises(SFIConfigError, match="coverage_retry does a step again"):
+    with pytest.raises(SFIConfigError, match="coverage_retry runs a step or positions again"):
         parse_settings("coverage_retry=true")  # the transformers path's alone
-    with pytest.raises(SFIConfigError, match="coverage_retry does a step again"):
+    with pytest.raises(SFIConfigError, match="coverage_retry runs a step or positions again"):
         configure(SFIConfig(coverage_retry=True))
+    with pytest.raises(SFIConfigError, match="repair_tokens runs a step or positions again"):
+        parse_settings("repair_tokens=96")
     assert not parse_settings("coverage_retry=false")[0].coverage_retry
     try:
         configure(SFIConfig(), slots=3)

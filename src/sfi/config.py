@@ -126,6 +126,18 @@ class SFIConfig:
     """Longest period of the ``random`` trigger."""
     seed: int = 0
     """Seed of the ``random`` trigger."""
+    repair_tokens: int = 0
+    """Repairing slow steps: a slow step first forgets the KV of the positions written since
+    the sequence's KV was last full attention's (by a sparse step or after one; at most this
+    many, the last ones) and computes it again in the same forward, densely, where the sparse
+    steps that wrote it left their drift (docs/evaluation.md); the step then takes its token
+    and its refresh as any slow step. 0: off. In a batch every row re-runs the block, the
+    longest any slow row needs, within what each row allows (the inputs it kept, the recent
+    window of a row not refreshing): rows that do not refresh read densely at that step, so
+    a batch whose rows refresh at different steps departs from its rows decoded alone.
+    sfi's own decode loops only (``sfi.generate``, the server, ``decode_one``; not
+    ``model.generate``), models whose layers all attend fully; not with ``coverage_retry``,
+    in exact mode (its verify writes full attention's KV) or in the vLLM plugin."""
 
     # --- the Selector (docs/method.md section 3) ---
     alpha: float = 0.5
@@ -246,6 +258,10 @@ class SFIConfig:
                 f"({self.random_period_min})"
             )
         _require_int("seed", self.seed, 0)
+        _require_int("repair_tokens", self.repair_tokens, 0)
+        if self.repair_tokens and self.coverage_retry:
+            raise SFIConfigError("repair_tokens and coverage_retry cannot be combined: a step "
+                                 "coverage_retry does again is not repaired; set one to 0/False")
         _require_float("alpha", self.alpha, 0.0)
         for name in ("gamma", "w_norm", "w_pos", "eta", "beta", "nms_strength",
                      "exclusivity_strength"):
@@ -361,7 +377,7 @@ PAPER_PRESET: dict[str, Any] = dict(
     pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
     nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
     exclusivity_min_heads=3, pool_kernel=1, page_size=1, pin_fraction=0.0, hysteresis=0.0,
-    dense_layers=0, coverage_layers=0, min_skip=0, min_gain=1.0,
+    dense_layers=0, coverage_layers=0, min_skip=0, min_gain=1.0, repair_tokens=0,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -24,11 +24,16 @@ class DecodeStats:
         dense_steps: decode steps that attended densely because the context was still shorter
             than sink + K + recent (nothing to save yet), or every step of full attention.
         lagged_steps: steps planned fast in which some layers read densely because their
-            compact rebuild (on a CUDA side stream) was not ready yet.
+            compact rebuild (on a CUDA side stream) was not ready yet, or all of them because
+            another row's repairing slow step re-ran the batch's last positions densely.
         refresh_reasons: refreshes by cause: ``bootstrap`` (after prefill, or the first time the
             context is long enough), ``sentence``, ``interval`` (reuse budget), ``period``
             (ablation policies).
         fast_read_fraction: mean over fast steps of (entries read) / (context length).
+        repaired_tokens: positions re-run densely by slow steps before their own
+            (``SFIConfig.repair_tokens``). They read nothing beyond their slow step's read:
+            the block's queries attend in one read of the context
+            (:func:`sfi.kernels.block_attention`); their cost is compute (``sfi bench``).
         read_fraction: mean over all decode steps of the fraction of the context read (dense
             and slow steps read all of it).
         verify_steps, drafted, accepted, verified_tokens: exact mode (``sfi.exact``): dense
@@ -51,6 +56,7 @@ class DecodeStats:
     refresh_reasons: dict[str, int] = field(default_factory=_no_refreshes)
     fast_read_sum: float = 0.0
     lagged_read_sum: float = 0.0
+    repaired_tokens: int = 0
     verify_steps: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -107,6 +113,7 @@ class DecodeStats:
             total.lagged_steps += part.lagged_steps
             total.fast_read_sum += part.fast_read_sum
             total.lagged_read_sum += part.lagged_read_sum
+            total.repaired_tokens += part.repaired_tokens
             for name in _EXACT_COUNTERS:
                 setattr(total, name, getattr(total, name) + getattr(part, name))
             total.dense_reason = total.dense_reason or part.dense_reason
@@ -115,8 +122,11 @@ class DecodeStats:
         return total
 
     def to_dict(self) -> dict[str, Any]:
-        """The counters as JSON; exact mode's under ``exact``, present only when it ran."""
+        """The counters as JSON: exact mode's under the key ``exact``, and the key
+        ``repaired_tokens``, each present only when it ran."""
         out = self._lossy_dict()
+        if self.repaired_tokens:
+            out["repaired_tokens"] = self.repaired_tokens
         if self.verify_steps or self.exact_dense_steps:
             out["exact"] = {
                 **{name: getattr(self, name) for name in _EXACT_COUNTERS},

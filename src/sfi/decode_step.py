@@ -9,20 +9,52 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from sfi.hf import cache_argument
+from sfi.plan import REPAIR
+
+
+@runtime_checkable
+class Repairing(Protocol):
+    """A cache whose slow steps may re-run the positions before them
+    (:class:`sfi.SlowFastCache` with ``SFIConfig.repair_tokens``)."""
+
+    phase: str | None
+
+    def repair_inputs(self, tokens: torch.Tensor) -> torch.Tensor | None: ...
+
+    def rewind(self, length: int) -> None: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
 
 def decode_one(model: torch.nn.Module, cache: Any, tokens: torch.Tensor,
                positions: torch.Tensor, attention_mask: torch.Tensor | None = None
                ) -> torch.Tensor:
-    """One decode step: ``tokens [B]`` at ``positions [B]`` -> next-token logits ``[B, V]``."""
+    """One decode step: ``tokens [B]`` at ``positions [B]`` -> next-token logits ``[B, V]``.
+
+    ``attention_mask [B, T + 1]`` covers the cache and the step (None without padding). Where
+    the cache asks for it (:class:`Repairing`), the step is a repairing slow step: the cache
+    forgets its last n positions and one forward feeds their inputs and ``tokens`` as a dense
+    block (``sfi.plan.REPAIR``), which writes their KV again and is the step."""
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-    out = model(input_ids=tokens[:, None], position_ids=positions[:, None], use_cache=True,
-                **{cache_argument(model): cache}, **kwargs)
+    inputs = cache.repair_inputs(tokens) if isinstance(cache, Repairing) else None
+    if inputs is None:
+        out = model(input_ids=tokens[:, None], position_ids=positions[:, None], use_cache=True,
+                    **{cache_argument(model): cache}, **kwargs)
+        return out.logits[:, -1]
+    n = inputs.shape[1]
+    cache.rewind(cache.get_seq_length() - n)
+    cache.phase = REPAIR
+    try:
+        out = model(input_ids=torch.cat([inputs, tokens[:, None]], dim=1),
+                    position_ids=positions[:, None] + torch.arange(-n, 1, device=positions.device),
+                    use_cache=True, logits_to_keep=1, **{cache_argument(model): cache}, **kwargs)
+    finally:
+        cache.phase = None
     return out.logits[:, -1]
 
 

@@ -154,6 +154,9 @@ class ExactDecoder:
                  sampling: Sampling | None = None):
         if not isinstance(cache, SlowFastCache):
             raise SFIError("exact mode decodes through a SlowFastCache")
+        if cache.config.repair_tokens:
+            raise SFIError("repair_tokens is for lossy SFI: exact mode's verify writes full "
+                           "attention's KV already (set repair_tokens=0)")
         self.model, self.cache = model, cache
         self.sampling = sampling or Sampling()
         self.length = DraftLength(cache.config)

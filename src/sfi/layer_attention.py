@@ -6,6 +6,8 @@ norms, the compact buffer, page summaries: tensors only) and never points back t
 
 - prefill (several queries): dense attention as the model computes it, then, for the rows the
   plan refreshes, a first selection from the last W queries;
+- a dense block (exact mode's verify, a repairing slow step): every row attends densely, the
+  rows the plan refreshes select from the block's last queries;
 - ``dense`` rows: attention over the whole cache;
 - ``slow`` rows: the same dense attention, whose logits are the evidence from which the rows'
   scorer refreshes the compact buffer (:func:`sfi.refresh_selection.select_groups`);
@@ -27,7 +29,7 @@ from sfi.context import StepContext
 from sfi.coverage import page_scores, unheld_pages
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh, StagedCompact
-from sfi.plan import VERIFY, Probe, SlowRows, StepPlan
+from sfi.plan import BLOCK_PHASES, Probe, SlowRows, StepPlan
 from sfi.refresh_selection import PreviousSelection, previous_selection
 from sfi.rows import Rows
 from sfi.scorers import make_evidence, scores_rows_alone
@@ -84,8 +86,9 @@ class SlowFastAttention(AttendingLayer):
                key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
                ) -> tuple[torch.Tensor, None]:
-        """The protocol's, except for an exact-mode verify (:meth:`verify`)."""
-        if step.plan.phase == VERIFY:
+        """The protocol's, except for a dense block (:meth:`verify`): exact mode's verify or a
+        repairing slow step."""
+        if step.plan.phase in BLOCK_PHASES:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return self.verify(step, query, scale, kwargs.get("softcap")), None
         return super().attend(step, module, query, key, value, attention_mask, scaling=scaling,
@@ -93,9 +96,11 @@ class SlowFastAttention(AttendingLayer):
 
     def verify(self, step: StepContext, query: torch.Tensor, scale: float,
                softcap: float | None) -> torch.Tensor:
-        """Exact mode's verify: ``query [B, Hq, Q, D]`` over the whole cache in one read
+        """A dense block, exact mode's verify or a repairing slow step (``sfi.plan``):
+        ``query [B, Hq, Q, D]`` over the whole cache in one read
         (:func:`sfi.kernels.block_attention`) -> ``[B, Q, Hq, D]``; its logits are the
-        evidence of the rows it refreshes, where their window holds all Q queries."""
+        evidence of the rows it refreshes, where their window holds all Q queries (else their
+        own last queries': a repair's, its last query alone)."""
         plan: StepPlan = step.plan
         b, hq, nq, d = query.shape
         keys, values = self.store.keys, self.store.values
@@ -105,10 +110,15 @@ class SlowFastAttention(AttendingLayer):
                                                  softcap)
         slow = plan.slow
         if slow is not None and len(plan.dense_at(self.layer_idx)) < len(slow.rows):
-            if set(slow.evidence_windows) == {nq}:
-                rows = slow.rows
+            rows, windows = slow.rows, set(slow.evidence_windows)
+            if windows == {nq}:
                 self._refresh(step, slow, rows.take(logits), queries=nq, query=rows.take(q),
                               attention=rows.take(attention))
+            elif windows == {1}:  # a repair: the last query's rows, as a one-token slow step
+                last = torch.arange(hq // h, device=q.device) * nq + nq - 1  # [G]
+                self._refresh(step, slow, rows.take(logits[:, :, last]),
+                              query=rows.take(q[:, :, last]),
+                              attention=rows.take(attention[:, :, last]))
             else:  # a row's window is shorter than the block: its own evidence
                 self._select_after_prefill(step, slow, query, scale, softcap)
         return out.reshape(b, hq, nq, -1).transpose(1, 2)

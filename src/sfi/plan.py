@@ -147,8 +147,9 @@ class StepPlan:
     dense_layers: tuple[int, ...] = ()
     probes: tuple[Probe, ...] = ()
     phase: str | None = None
-    block_bias: torch.Tensor | None = None  # a verify's [B or 1, Q, T]: causal, pads, holes
+    block_bias: torch.Tensor | None = None  # a block's [B or 1, Q, T]: causal, pads, holes
     redo: Redo | None = None  # this forward does a decode step again (coverage_retry)
+    inputs: tuple[tuple[int, ...], ...] | None = None  # a prompt's last inputs (repair_tokens)
 
     def outcome(self) -> tuple[tuple[str, ...], tuple[str | None, ...], dict[int, Memory]]:
         """What the step did, to commit: each row's kind and refresh reason, and the new
@@ -172,7 +173,12 @@ class StepPlan:
 # Exact mode's phases (sfi.exact; None: a lossy step): a fast draft that changes no state, a
 # dense verify of the drafts (slow where a refresh is due), a dense step where drafts cannot pay
 DRAFT, VERIFY, DENSE_STEP = "draft", "verify", "dense-step"
-PHASES: tuple[str | None, ...] = (None, DRAFT, VERIFY, DENSE_STEP)
+# A repairing slow step (SFIConfig.repair_tokens, sfi.decode_step): the drifted positions
+# before the step and the step's own input, one dense block; the step is a decode step as
+# planned, its fast rows read densely too
+REPAIR = "repair"
+PHASES: tuple[str | None, ...] = (None, DRAFT, VERIFY, DENSE_STEP, REPAIR)
+BLOCK_PHASES: tuple[str, ...] = (VERIFY, REPAIR)  # one dense block (sfi.kernels.block_attention)
 
 
 @dataclass(frozen=True)

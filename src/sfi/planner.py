@@ -25,10 +25,13 @@ import torch
 from sfi.config import SFIConfig
 from sfi.coverage import probe_layers, probe_page
 from sfi.kernels import additive_bias, evidence_bias
+from sfi.notices import notice_once
 from sfi.plan import (
+    BLOCK_PHASES,
     DENSE_STEP,
     DRAFT,
     PHASES,
+    REPAIR,
     VERIFY,
     FastRows,
     Probe,
@@ -49,8 +52,10 @@ from sfi.sequence_policy import (
     SequenceState,
     decode_decision,
     fast_read_fraction,
+    keep_inputs,
     next_memory,
     record_step,
+    repair_span,
     sparse_pays,
 )
 from sfi.triggers import BOOTSTRAP, RefreshTrigger
@@ -82,7 +87,8 @@ class Planner:
     # --- planning ---------------------------------------------------------------------------
     def plan(self, tokens: Sequence[int | None], query_length: int, past: int,
              device: torch.device, may_lag: bool = False, select: bool = True,
-             phase: str | None = None, redo: Redo | None = None) -> StepPlan:
+             phase: str | None = None, redo: Redo | None = None,
+             inputs: Sequence[Sequence[int]] | None = None) -> StepPlan:
         """Decide, per sequence, whether this forward is dense, slow or fast.
 
         ``tokens`` are the last input token of each row (what the triggers observe);
@@ -90,13 +96,17 @@ class Planner:
         asynchronous rebuilder), so the padding bias is needed even without dense rows;
         ``select=False`` makes a multi-token forward dense without a selection (a prompt chunk
         that more chunks follow). ``phase``: exact mode's (:data:`PHASES`; a verify's memory
-        is laid out at its first position). ``redo``: this decode step runs again, its rows'
+        is laid out at its first position), or ``REPAIR``: a decode step whose input is the
+        block's last token, decided as a one-token step, its refreshes' evidence that token's
+        query alone (:meth:`repair_length`). ``redo``: this decode step runs again, its rows'
         kinds set by :meth:`Redo.kinds` (no probe runs: the rows still fast were checked).
+        ``inputs``: each row's last input tokens of a prompt's forward, what a repair may
+        re-run later (``repair_tokens``; None: not kept).
         """
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}")
         total = past + query_length
-        decode = query_length == 1 and past > 0
+        decode = (query_length == 1 or phase == REPAIR) and past > 0
         memory_total = past + 1 if phase == VERIFY else total
         if redo is not None:
             kinds, reasons = redo.kinds()
@@ -107,7 +117,8 @@ class Planner:
         slow_rows = [r for r, k in enumerate(kinds) if k == SLOW]
         fast_rows = [r for r, k in enumerate(kinds) if k == FAST]
         dense_rows = [r for r, k in enumerate(kinds) if k == DENSE]
-        slow = self._plan_slow(slow_rows, total, query_length, device, memory_total)
+        slow = self._plan_slow(slow_rows, total, query_length, device, memory_total,
+                               evidence_queries=1 if phase == REPAIR else query_length)
         width = self.compact_width
         if slow is not None:
             width = max(width, max(m.sink + m.k for m in slow.memories))
@@ -125,7 +136,9 @@ class Planner:
                         if phase is None and redo is None else (),
                         phase=phase,
                         block_bias=block_bias(self.sequences, total, query_length, device)
-                        if phase == VERIFY else None, redo=redo)
+                        if phase in BLOCK_PHASES else None, redo=redo,
+                        inputs=tuple(tuple(row) for row in inputs) if inputs is not None
+                        else None)
 
     @staticmethod
     def _decide(seq: SequenceState, token: int | None, total: int, memory_total: int,
@@ -181,9 +194,11 @@ class Planner:
         return Rows(tuple(indices), len(self.sequences), device)
 
     def _plan_slow(self, rows: list[int], total: int, query_length: int,
-                   device: torch.device, memory_total: int | None = None) -> SlowRows | None:
+                   device: torch.device, memory_total: int | None = None,
+                   evidence_queries: int | None = None) -> SlowRows | None:
         """The refreshes of ``rows``: memories laid out at cache length ``memory_total``
-        (default ``total``; a verify's first position), evidence over ``total`` keys."""
+        (default ``total``; a verify's first position), evidence over ``total`` keys from at
+        most the forward's last ``evidence_queries`` queries (default all of them)."""
         if not rows:
             return None
         seqs = [self.sequences[r] for r in rows]
@@ -199,7 +214,8 @@ class Planner:
             candidates = candidates & visible_slots(seqs, total, device)
         evidence_bias, windows = None, []
         if query_length > 1:
-            windows = [min(s.config.evidence_window, query_length) for s in seqs]
+            queries = evidence_queries or query_length
+            windows = [min(s.config.evidence_window, queries) for s in seqs]
             evidence_bias = self._evidence_bias(memories, windows, total, device)
         return SlowRows(
             rows=self._rows(rows, device), memories=memories, lo=lo, hi=hi,
@@ -252,6 +268,31 @@ class Planner:
         compact_bias = additive_bias(valid)[:, None, None, :]
         return FastRows(self._rows(rows, device), read_start, recent_bias, compact_bias)
 
+    def repair_length(self, tokens: Sequence[int | None], total: int) -> int:
+        """How many positions before a one-token decode step with inputs ``tokens`` at cache
+        length ``total`` (this step's included) the step re-runs first, densely, for the whole
+        batch (``SFIConfig.repair_tokens``): the longest :func:`repair_span` of its slow rows,
+        at most the inputs every row has kept; 0: a plain step."""
+        seqs = self.sequences
+        if not any(seq.config.repair_tokens for seq in seqs):
+            return 0
+        spans = [repair_span(seq, token, total) for seq, token in zip(seqs, tokens)]
+        span = max(spans)
+        if not span:
+            return 0
+        # every row re-runs the block: it needs each row's inputs, and must stay inside the
+        # recent window of a row that does not refresh (its compact copies of older
+        # positions stay as they are)
+        kept = min(len(seq.inputs) for seq in seqs)
+        recent = [total - 1 - seq.memory.recent_start for seq, token in zip(seqs, tokens)
+                  if seq.memory is not None and decode_decision(seq, token, total)[0] != SLOW]
+        length = min(span, kept, *recent)
+        if length < span:
+            notice_once("repair_tokens: a repair re-ran fewer positions than drifted, as far "
+                        "as every row of the batch allows (the inputs it kept, the recent "
+                        "window of a row not refreshing)")
+        return length
+
     # --- after the step ---------------------------------------------------------------------
     def commit(self, plan: StepPlan, lagged: dict[int, int], layers: Sequence[int],
                missed: Collection[int] = ()) -> None:
@@ -266,13 +307,20 @@ class Planner:
         if redo is not None:
             missed = set(missed) | redo.missed
         kinds, reasons, slow_memories = plan.outcome()
+        repaired = plan.query_length - 1 if plan.phase == REPAIR else 0
+        if not plan.decode:
+            for row, seq in enumerate(self.sequences):  # the real tokens of each row
+                real = min(plan.query_length, plan.total_length - seq.pad)
+                kept = plan.inputs[row] if plan.inputs is not None and real > 0 else None
+                keep_inputs(seq, kept[max(0, len(kept) - real):] if kept else None)
         for row, (seq, kind) in enumerate(zip(self.sequences, kinds)):
             read = None
-            if plan.decode and kind == FAST:
-                read = fast_read_fraction(seq, plan.total_length, layers, lagged.get(row, 0))
+            if plan.decode and kind == FAST:  # a repair's fast rows read the block densely
+                read = 1.0 if repaired else fast_read_fraction(seq, plan.total_length, layers,
+                                                               lagged.get(row, 0))
             record_step(seq, kind, decode=plan.decode, token=plan.tokens[row],
                         memory=slow_memories.get(row), reason=reasons[row], read=read,
-                        lagged=row in lagged)
+                        lagged=row in lagged or bool(repaired), repaired=repaired)
             if kind != SLOW and row in missed:
                 seq.coverage_miss = True
         widths = (plan.compact_width, redo.first.compact_width if redo is not None else 0)
@@ -291,9 +339,9 @@ class Planner:
 
     def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:
         """Per row, what the step did: ``plan.kinds`` (a redone step's merged kinds) with
-        lagging fast rows as ``lagged``."""
-        return tuple(LAGGED if kind == FAST and row in lagged else kind
-                     for row, kind in enumerate(plan.outcome()[0]))
+        lagging fast rows, and a repair's fast rows, as ``lagged``."""
+        return tuple(LAGGED if kind == FAST and (row in lagged or plan.phase == REPAIR)
+                     else kind for row, kind in enumerate(plan.outcome()[0]))
 
     # --- continuous batching ----------------------------------------------------------------
     def shift(self, amount: int) -> None:

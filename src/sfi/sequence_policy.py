@@ -9,7 +9,7 @@ request per row, no padding). Nothing here knows tensors, layers, caches or an e
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from sfi.config import SFIConfig
@@ -103,6 +103,8 @@ class SequenceState:
     holes: list[int] = field(default_factory=list)  # exact mode: slots left empty (sfi.visibility)
     acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # exact mode's drafts
     weight_positions: int = 0  # the model's weights in KV positions (sfi.cost_model)
+    inputs: list[int] = field(default_factory=list)  # the last repair_tokens inputs
+    drifted: int = 0  # positions a repair would re-run: since the first a sparse step wrote
 
 
 def next_memory(seq: SequenceState, total: int) -> Memory:
@@ -141,6 +143,16 @@ def decode_decision(seq: SequenceState, token: int | None, total: int) -> tuple[
     return FAST, None
 
 
+def repair_span(seq: SequenceState, token: int | None, total: int) -> int:
+    """How many of the positions before a decode step of ``seq`` at cache length ``total``
+    the step re-runs densely first (``repair_tokens``): the drifted ones (written by a sparse
+    step, or after one, since the sequence's last repair or prompt), at most ``repair_tokens``
+    and the inputs kept; 0 unless the step is slow."""
+    if not seq.config.repair_tokens or decode_decision(seq, token, total)[0] != SLOW:
+        return 0
+    return min(seq.drifted, seq.config.repair_tokens, len(seq.inputs))
+
+
 def fast_read_fraction(seq: SequenceState, total: int, layers: Iterable[int],
                        dense_reads: int = 0) -> float:
     """The fraction of the context a fast step of ``seq`` at cache length ``total`` read,
@@ -157,7 +169,7 @@ def fast_read_fraction(seq: SequenceState, total: int, layers: Iterable[int],
 
 def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | None = None,
                 memory: Memory | None = None, reason: str | None = None,
-                read: float | None = None, lagged: bool = False) -> None:
+                read: float | None = None, lagged: bool = False, repaired: int = 0) -> None:
     """Apply one step's outcome to ``seq``.
 
     A decode step advances the trigger on its input ``token`` (None: not observed) and counts
@@ -165,13 +177,15 @@ def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | Non
     restarts the reuse count, clears a coverage miss and counts its ``reason`` (reasons
     outside :data:`sfi.triggers.REFRESH_REASONS`, an engine's own, are the engine's to count).
     ``read`` is a fast step's read fraction (:func:`fast_read_fraction`); ``lagged`` says some
-    of its layers read densely because their rebuild was not ready.
+    of its layers read densely because their rebuild was not ready; ``repaired``: the
+    positions before the step that it re-ran densely (:func:`repair_span`).
     """
     if decode:
         steps = seq.steps_since_refresh + 1
         if token is not None:
             seq.trigger.advance(token, steps)
         seq.steps_since_refresh = steps
+        _record_drift(seq, kind, token, repaired)
     if kind == SLOW:
         if memory is None:
             raise ValueError("a slow step installs a new memory")
@@ -193,6 +207,41 @@ def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | Non
         seq.stats.record_lagged_step(read)
     else:
         seq.stats.record_fast_step(read)
+
+
+def _record_drift(seq: SequenceState, kind: str, token: int | None, repaired: int) -> None:
+    """Keep the inputs and the drift count :func:`repair_span` reads, after a decode step whose
+    input was ``token`` (None: not observed; the inputs kept would no longer end at the cache's
+    end, so none is kept and nothing before it is re-run)."""
+    limit = seq.config.repair_tokens
+    if not limit:
+        return
+    if token is None:
+        keep_inputs(seq, None)
+        return
+    seq.stats.repaired_tokens += repaired
+    if repaired:  # re-run from its first drifted position, the KV is full attention's again;
+        seq.drifted = 0  # after a shorter block no later repair reaches the positions before it
+    elif seq.drifted or kind == FAST:
+        seq.drifted += 1
+    seq.inputs.append(token)
+    del seq.inputs[:-limit]
+
+
+def keep_inputs(seq: SequenceState, tokens: Sequence[int] | None) -> None:
+    """After a prompt's forward (``repair_tokens``) whose real input tokens were ``tokens``
+    (its last ones; None: not known): keep them, so that a repair may re-run prompt positions
+    too and a row that joins a batch does not shorten the batch's repairs. Without them
+    nothing before the forward can be re-run."""
+    limit = seq.config.repair_tokens
+    if not limit:
+        return
+    if tokens is None:
+        seq.inputs, seq.drifted = [], 0
+        return
+    if seq.drifted:  # a prompt continuing drifted KV was computed over it
+        seq.drifted += len(tokens)
+    seq.inputs = [*seq.inputs, *tokens][-limit:]
 
 
 def record_verified(seq: SequenceState, inputs: Iterable[int], refreshed: bool,

@@ -13,20 +13,21 @@ the forward :meth:`SlowFastCache.end_forward` commits it and records what the st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache
 
 from sfi.attention import WritesInAttention
+from sfi.cache_layers import attention_of, build_layers, resolve_tokenizer
 from sfi.config import SFIConfig
 from sfi.context import StepContext, current_step
 from sfi.cost_model import weight_positions
 from sfi.decode_stats import DecodeStats
-from sfi.errors import SFIError, UnsupportedModelError
-from sfi.hf import RoutingLease, text_config
+from sfi.errors import SFIError
+from sfi.hf import RoutingLease
 from sfi.layer_attention import SlowFastAttention
+from sfi.notices import notice_once
 from sfi.overlap import Rebuilder, make_rebuilder
 from sfi.plan import Redo, StepPlan
 from sfi.planner import Planner, TriggerFactory
@@ -80,7 +81,7 @@ class SlowFastCache(WritesInAttention, Cache):
         if trigger_factory is None:
             classes = None
             if self.config.trigger == "sentence":
-                classes = token_classes(_resolve_tokenizer(model, tokenizer))
+                classes = token_classes(resolve_tokenizer(model, tokenizer))
 
             def trigger_factory(cfg: SFIConfig, row: int) -> Any:
                 return make_trigger(cfg, classes, row)
@@ -94,12 +95,15 @@ class SlowFastCache(WritesInAttention, Cache):
         self._kinds: tuple[str, ...] = ()
         self._redo: Redo | None = None  # the step to run again (coverage_retry), until it runs
         self.prompt_continues = False  # set between the chunks of a chunked prefill
-        self.phase: str | None = None  # exact mode's phase of the next forward (sfi.exact)
+        self.phase: str | None = None  # the next forward's: exact mode's, or a repair's
         capacity = int(max_cache_len) if max_cache_len else 256
-        super().__init__(layers=_build_layers(model, capacity))
+        super().__init__(layers=build_layers(model, capacity))
         self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
-        self.attention = _attention_of(self.layers)
+        self.attention = attention_of(self.layers)
         self.planner = Planner(self._layer_ids)
+        if self.config.repair_tokens and not self._rewindable():
+            raise SFIError("repair_tokens needs every layer of the model to attend fully (a "
+                           "sliding-window layer cannot forget the positions it re-runs)")
 
     def writes_in_attention(self, layer_idx: int) -> bool:
         """Whether a compiled step's attention operator writes layer ``layer_idx`` (a slab
@@ -131,9 +135,18 @@ class SlowFastCache(WritesInAttention, Cache):
         self.rebuilder.discard()  # refreshes of a forward that raised before its end
         redo, self._redo = self._redo, None  # (the next forward's alone, even if it raises)
         tokens = input_ids[:, -1].tolist() if input_ids is not None else [None] * batch_size
+        if self.config.repair_tokens and self.phase is None and query_length == 1 and \
+                self.planner.repair_length(tokens, past + 1):
+            notice_once("repair_tokens: a slow step ran without re-running the positions "
+                        "before it; only sfi's decode loops (sfi.generate, the server, "
+                        "sfi.decode_step.decode_one) run them, not model.generate")
+        inputs = None  # a prompt's last inputs, which a repair may re-run
+        if self.config.repair_tokens and query_length > 1 and input_ids is not None:
+            inputs = input_ids[:, -self.config.repair_tokens:].tolist()
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,
-                                 select=not self.prompt_continues, phase=self.phase, redo=redo)
+                                 select=not self.prompt_continues, phase=self.phase, redo=redo,
+                                 inputs=inputs)
         return StepContext(layers=self.attention, plan=plan, rebuilder=self.rebuilder)
 
     def end_forward(self, step: StepContext) -> bool:
@@ -199,7 +212,8 @@ class SlowFastCache(WritesInAttention, Cache):
 
     def step_kinds(self) -> tuple[str, ...]:
         """What the last forward did for each sequence: ``dense``, ``slow``, ``fast``, or
-        ``lagged`` (planned fast, read densely at some layer while its rebuild ran)."""
+        ``lagged`` (planned fast, read densely at some layer while its rebuild ran, or at every
+        layer in a repairing slow step of another row)."""
         return self._kinds
 
     def stats(self, row: int | None = None) -> DecodeStats:
@@ -216,11 +230,28 @@ class SlowFastCache(WritesInAttention, Cache):
             return 1.0, None
         return stats.read_fraction, stats.fast_read_fraction
 
-    # --- exact mode (sfi.exact) -----------------------------------------------------------------
+    # --- repairing slow steps (SFIConfig.repair_tokens, sfi.decode_step) -----------------------
+    def repair_inputs(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """``[B, n]`` the inputs of the cache's last n positions, which the coming one-token
+        decode step of ``tokens [B]`` re-runs first, densely, in one forward with its own
+        (:meth:`sfi.planner.Planner.repair_length`); None: a plain step."""
+        length = self.get_seq_length()
+        if not self.config.repair_tokens or self.phase is not None or length == 0 or \
+                tokens.shape[0] != self.batch_size:  # (the forward says what is wrong)
+            return None
+        n = self.planner.repair_length(tokens.tolist(), length + 1)
+        if n == 0:
+            return None
+        return torch.tensor([seq.inputs[-n:] for seq in self.planner.sequences],
+                            dtype=tokens.dtype, device=tokens.device)
+
+    # --- exact mode (sfi.exact), and repairs' rewind ------------------------------------------
     def rewind(self, length: int) -> None:
         """Forget every position from ``length`` on, in every layer: the drafts' KV before a
-        verify, a verify's rejected positions after it. The memories lie before ``length``
-        (drafts never refresh, and a verify lays its memory out at its first position)."""
+        verify, a verify's rejected positions after it (exact mode), the drifted positions a
+        repairing slow step re-runs. The memories lie before ``length`` (drafts never refresh,
+        a verify lays its memory out at its first position, and a repair stays inside the
+        recent window of every row that does not refresh)."""
         if not 0 < length <= self.get_seq_length():
             raise SFIError(f"rewind needs 0 < length <= {self.get_seq_length()}, got {length}")
         if not self._rewindable():
@@ -366,7 +397,7 @@ class SlowFastCache(WritesInAttention, Cache):
     # --- lifetime --------------------------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.attention = _attention_of(self.layers)
+        self.attention = attention_of(self.layers)
         self.planner = Planner(self._layer_ids)
         self._kinds = ()
         self._redo = None
@@ -398,45 +429,3 @@ class SlowFastCache(WritesInAttention, Cache):
     def _attending(self) -> list[SlowFastAttention]:
         return [attention for attention in self.attention if attention is not None]
 
-
-def _resolve_tokenizer(model: torch.nn.Module, tokenizer: Any) -> Any:
-    if tokenizer is not None:
-        return tokenizer
-    attached = getattr(model, "sfi_tokenizer", None)
-    if attached is not None:
-        return attached
-    from transformers import AutoTokenizer
-
-    source = getattr(model.config, "_name_or_path", "") or ""
-    if source and Path(source).is_dir():
-        return AutoTokenizer.from_pretrained(source)
-    raise SFIError("sentence triggers need the tokenizer: pass SlowFastCache(model, config, "
-                   "tokenizer=tok), load the model with sfi.load, "
-                   "or use SFIConfig(trigger='fixed')")
-
-
-def _attention_of(layers: Sequence[CacheLayerMixin]) -> list[SlowFastAttention | None]:
-    """What attends each layer: a :class:`SlowFastAttention` for each slab layer, None for a
-    sliding-window layer (the model's own attention)."""
-    return [SlowFastAttention(layer) if isinstance(layer, SlabLayer) else None
-            for layer in layers]
-
-
-def _build_layers(model: torch.nn.Module, capacity: int) -> list[CacheLayerMixin]:
-    """One SlabLayer per full-attention layer; sliding-window layers keep their window."""
-    config = text_config(model)
-    n_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    uniform = "sliding_attention" if window else "full_attention"  # Mistral-style: all sliding
-    layer_types = getattr(config, "layer_types", None) or [uniform] * n_layers
-    layers: list[CacheLayerMixin] = []
-    for idx, kind in enumerate(layer_types):
-        if kind == "sliding_attention" and window:
-            layers.append(DynamicSlidingWindowLayer(sliding_window=window))
-        elif kind in ("full_attention", "sliding_attention"):
-            layers.append(SlabLayer(idx, capacity))
-        else:
-            raise UnsupportedModelError(
-                f"layer {idx} of this model is of type {kind!r}; sfi handles attention layers "
-                "(full or sliding window) only")
-    return layers

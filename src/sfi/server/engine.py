@@ -11,7 +11,9 @@ Every sequence keeps its own SFI state, triggers and counters; a ``mode="full"``
 dense-only sequence in the same batch. ``mode="exact"`` requests (``sfi.exact``: full
 attention's tokens, drafted by fast steps) run in a second batch of their own
 (``sfi.server.lanes``): a loop iteration steps each batch once, the exact one by a round of
-drafts and a verify. The loop runs on one thread; callers talk to it through
+drafts and a verify (a configuration's ``repair_tokens`` repairs the lossy batch's slow steps,
+an exact request's verify writes full attention's KV, so its cache repairs nothing). The loop
+runs on one thread; callers talk to it through
 :meth:`Engine.submit` and :meth:`Engine.cancel`, and hear back through each request's
 ``on_event`` callback.
 """
@@ -31,9 +33,8 @@ from sfi.decode_stats import DecodeStats
 from sfi.decode_step import decode_one, sample_next
 from sfi.errors import SFIError
 from sfi.hf import eos_token_ids
-from sfi.methods import build_cache
 from sfi.runtime import give_back_freed_memory
-from sfi.server.lanes import MIN_CHUNK, Join, Lane, chunk_tokens, request_sampling
+from sfi.server.lanes import MIN_CHUNK, Join, Lane, chunk_tokens, open_join
 from sfi.server.requests import (
     EngineLimits,
     EngineMetrics,
@@ -43,7 +44,6 @@ from sfi.server.requests import (
     kv_tokens,
 )
 from sfi.slowfast_cache import SlowFastCache
-from sfi.stopping import StopChecker
 
 __all__ = ["Engine", "EngineLimits"]
 log = logging.getLogger("sfi.server")
@@ -231,20 +231,13 @@ class Engine:
             if self._expired(request) or request.done:
                 continue
             try:
-                config = request.config or self.config
-                cache = build_cache(self.model, self.tokenizer, "sfi", config=config,
-                                    dense_only=request.mode == "full",
-                                    capacity=len(request.prompt_ids) + request.max_tokens + 1)
-                request._sampling = request_sampling(request, self.device)
-                request._checker = StopChecker(self.tokenizer, self.eos, request.stop,
-                                               request.max_tokens)
+                self._join = open_join(self.model, self.tokenizer, request,
+                                       request.config or self.config, self.device, self.eos,
+                                       self.metrics.prefill_seconds_per_token)
             except Exception as exc:  # this request fails alone
                 log.exception("request %s could not start", request.id)
                 self._finish(request, "error", error=exc)
                 continue
-            ids = torch.tensor([request.prompt_ids], device=self.device)
-            self._join = Join(request, cache, ids, config.evidence_window,
-                              seconds_per_token=self.metrics.prefill_seconds_per_token)
             return True
         return False
 

@@ -2,21 +2,26 @@
 one token per step, and one for ``"exact"`` requests, which take a round of exact mode per
 step (``sfi.exact``: fast steps draft, one dense forward verifies). A round commits the same
 number of positions for every row of its batch, so exact requests share a slab of their own.
-A joining request's prefill, chunk by chunk, is a :class:`Join`.
+A joining request's prefill, chunk by chunk, is a :class:`Join` (:func:`open_join`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from sfi.config import SFIConfig
 from sfi.decode_step import Sampling
 from sfi.exact import Emitted, ExactDecoder, RoundCounts
+from sfi.methods import build_cache
 from sfi.prefill import chunk_end, prefill
 from sfi.server.requests import GenerationRequest
 from sfi.slowfast_cache import SlowFastCache
+from sfi.stopping import StopChecker
 
 
 @dataclass
@@ -115,3 +120,21 @@ def request_sampling(request: GenerationRequest, device: torch.device) -> Sampli
     if request.seed is not None:
         generator = torch.Generator(device=device).manual_seed(request.seed)
     return Sampling(request.temperature, request.top_p, generator)
+
+
+def open_join(model: torch.nn.Module, tokenizer: Any, request: GenerationRequest,
+              config: SFIConfig, device: torch.device, eos: Collection[int],
+              seconds_per_token: float | None) -> Join:
+    """``request``'s prefill to come: its own cache (``config``; dense-only for a ``"full"``
+    request; an ``"exact"`` request's verify writes full attention's KV, so its cache repairs
+    nothing, ``repair_tokens``), its sampling and its stop checker."""
+    if request.mode == "exact" and config.repair_tokens:
+        config = config.replace(repair_tokens=0)
+    cache = build_cache(model, tokenizer, "sfi", config=config,
+                        dense_only=request.mode == "full",
+                        capacity=len(request.prompt_ids) + request.max_tokens + 1)
+    request._sampling = request_sampling(request, device)
+    request._checker = StopChecker(tokenizer, eos, request.stop, request.max_tokens)
+    ids = torch.tensor([request.prompt_ids], device=device)
+    return Join(request, cache, ids, config.evidence_window,
+                seconds_per_token=seconds_per_token)

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 ENV = "SFI_VLLM"
 DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries per layer)
 EXACT_FIELDS = ("draft_tokens", "draft_min", "draft_max", "draft_fallback")  # sfi.exact's
-#: fields whose behaviour is the transformers path's alone: a step done again
-REDO_FIELDS = ("coverage_retry",)
+#: fields whose behaviour is the transformers path's alone: a step, or positions, run again
+REDO_FIELDS = ("coverage_retry", "repair_tokens")
 
 
 def parse_config(spec: str) -> SFIConfig:
@@ -58,8 +58,8 @@ def refuse_redo(config: SFIConfig, where: str = "") -> None:
     """Refuse, naming it, a field of :data:`REDO_FIELDS` that ``config`` turns on."""
     redo = [name for name in REDO_FIELDS if getattr(config, name)]
     if redo:
-        raise SFIConfigError(f"{where}{', '.join(redo)} does a step again, which the vLLM "
-                             "plugin does not (vLLM schedules each step once)")
+        raise SFIConfigError(f"{where}{', '.join(redo)} runs a step or positions again, which "
+                             "the vLLM plugin does not (vLLM schedules each step once)")
 
 
 @dataclass
