@@ -1,6 +1,6 @@
 """Repairing slow steps (``SFIConfig.repair_tokens``): a slow step first re-runs the positions
-that sparse steps wrote since the KV was last full attention's, so that after it the cache holds
-full attention's KV again."""
+that sparse steps wrote (or that came after one) since the last repair, so that after it the
+cache holds full attention's KV again."""
 
 from __future__ import annotations
 
@@ -129,18 +129,20 @@ def test_batched_repairs_equal_unbatched():
     assert ("slow", "slow") in kinds[1:] and batch.stats().repaired_tokens > 0
 
 
-def test_rows_refreshing_at_different_steps_are_all_repaired():
+@pytest.mark.parametrize("seed", [4, 5, 6, 7])
+def test_rows_refreshing_at_different_steps_are_all_repaired(seed):
     """Rows whose slow steps differ (seeded random triggers): at a repair every row re-runs
     the block, the fast ones reading densely (``lagged``), and every row's KV and logits are
-    full attention's after it (every row's drift began after the last repair, so one block
-    covers them all)."""
+    full attention's after it: the block is the longest drift of any row (each began after
+    the last repair), whichever row's step is slow."""
     model = tiny_model("qwen3")
     config = SFIConfig(sink=2, recent=16, k_head=4, force_sparse=True, coverage_layers=0,
                        trigger="random", random_period_min=2, random_period_max=5,
                        repair_tokens=16)
-    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(4))
-    rows, cache = _teacher_forced(model, config, ids, 16)
-    mixed = [i for i, (_, _, _, _, kinds) in enumerate(rows) if set(kinds) == {"slow", "lagged"}]
+    config = config.replace(seed=seed)
+    ids = torch.randint(0, 256, (3, 48), generator=torch.Generator().manual_seed(seed))
+    rows, cache = _teacher_forced(model, config, ids, 20)
+    mixed = [i for i, (_, _, _, _, kinds) in enumerate(rows) if {"slow", "lagged"} <= set(kinds)]
     assert mixed, [r[4] for r in rows]
     for i, (a, b, _, kv, kinds) in enumerate(rows):
         # a repair ran (a fast row read densely), or every row refreshed (with nothing drifted
@@ -148,7 +150,7 @@ def test_rows_refreshing_at_different_steps_are_all_repaired():
         if "lagged" in kinds or set(kinds) == {"slow"}:
             assert kv < 1e-5, (i, kinds, kv)
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-    assert cache.stats(0).repaired_tokens == cache.stats(1).repaired_tokens > 0
+    assert cache.stats(0).repaired_tokens == cache.stats(2).repaired_tokens > 0
 
 
 @torch.inference_mode()

@@ -128,16 +128,16 @@ class SFIConfig:
     """Seed of the ``random`` trigger."""
     repair_tokens: int = 0
     """Repairing slow steps: a slow step first forgets the KV of the positions written since
-    the sequence's KV was last full attention's (by a sparse step or after one; at most this
-    many, the last ones) and computes it again in the same forward, densely, where the sparse
-    steps that wrote it left their drift (docs/evaluation.md); the step then takes its token
-    and its refresh as any slow step. 0: off. In a batch every row re-runs the block, the
-    longest any slow row needs, within what each row allows (the inputs it kept, the recent
-    window of a row not refreshing): rows that do not refresh read densely at that step, so
-    a batch whose rows refresh at different steps departs from its rows decoded alone.
-    sfi's own decode loops only (``sfi.generate``, the server, ``decode_one``; not
-    ``model.generate``), models whose layers all attend fully; not with ``coverage_retry``,
-    in exact mode (its verify writes full attention's KV) or in the vLLM plugin."""
+    the sequence's last repair by a sparse step or after one (at most this many, the last
+    ones) and computes it again in the same forward, densely, where the sparse steps that
+    wrote it left their drift (docs/evaluation.md); the step then takes its token and its
+    refresh as any slow step. 0: off. In a batch every row re-runs the block, the longest any
+    row needs, within what each row allows (the inputs it kept, the recent window of a row
+    not refreshing): rows that do not refresh read densely at that step, so a batch whose
+    rows refresh at different steps departs from its rows decoded alone. sfi's own decode
+    loops only (``sfi.generate``, the server, ``decode_one``; not ``model.generate``), models
+    whose layers all attend fully; not with ``coverage_retry``, in exact mode (its verify
+    writes full attention's KV) or in the vLLM plugin."""
 
     # --- the Selector (docs/method.md section 3) ---
     alpha: float = 0.5

@@ -30,8 +30,9 @@ class DecodeStats:
             context is long enough), ``sentence``, ``interval`` (reuse budget), ``period``
             (ablation policies).
         fast_read_fraction: mean over fast steps of (entries read) / (context length).
-        repaired_tokens: positions re-run densely by slow steps before their own
-            (``SFIConfig.repair_tokens``). They read nothing beyond their slow step's read:
+        repaired_tokens: positions re-run densely by repairing slow steps before their own
+            (``SFIConfig.repair_tokens``: this row's, or another's in its batch, which every
+            row takes part in). They read nothing beyond their slow step's read:
             the block's queries attend in one read of the context
             (:func:`sfi.kernels.block_attention`); their cost is compute (``sfi bench``).
         read_fraction: mean over all decode steps of the fraction of the context read (dense

@@ -268,24 +268,30 @@ class Planner:
         compact_bias = additive_bias(valid)[:, None, None, :]
         return FastRows(self._rows(rows, device), read_start, recent_bias, compact_bias)
 
+    @property
+    def repairs(self) -> bool:
+        """Whether a row of the batch repairs its slow steps (``repair_tokens``)."""
+        return any(seq.config.repair_tokens for seq in self.sequences)
+
     def repair_length(self, tokens: Sequence[int | None], total: int) -> int:
         """How many positions before a one-token decode step with inputs ``tokens`` at cache
         length ``total`` (this step's included) the step re-runs first, densely, for the whole
-        batch (``SFIConfig.repair_tokens``): the longest :func:`repair_span` of its slow rows,
-        at most the inputs every row has kept; 0: a plain step."""
+        batch (``SFIConfig.repair_tokens``): where a row's step is slow, the longest
+        :func:`repair_span` of all rows (every row re-runs the block, so every row's drift is
+        repaired with it), at most the inputs every row has kept; 0: a plain step."""
         seqs = self.sequences
-        if not any(seq.config.repair_tokens for seq in seqs):
+        if not self.repairs:
             return 0
-        spans = [repair_span(seq, token, total) for seq, token in zip(seqs, tokens)]
-        span = max(spans)
+        slow = [decode_decision(seq, token, total)[0] == SLOW for seq, token in zip(seqs, tokens)]
+        span = max(repair_span(seq) for seq in seqs) if any(slow) else 0
         if not span:
             return 0
         # every row re-runs the block: it needs each row's inputs, and must stay inside the
         # recent window of a row that does not refresh (its compact copies of older
         # positions stay as they are)
         kept = min(len(seq.inputs) for seq in seqs)
-        recent = [total - 1 - seq.memory.recent_start for seq, token in zip(seqs, tokens)
-                  if seq.memory is not None and decode_decision(seq, token, total)[0] != SLOW]
+        recent = [total - 1 - seq.memory.recent_start for seq, refreshes in zip(seqs, slow)
+                  if seq.memory is not None and not refreshes]
         length = min(span, kept, *recent)
         if length < span:
             notice_once("repair_tokens: a repair re-ran fewer positions than drifted, as far "

@@ -143,13 +143,10 @@ def decode_decision(seq: SequenceState, token: int | None, total: int) -> tuple[
     return FAST, None
 
 
-def repair_span(seq: SequenceState, token: int | None, total: int) -> int:
-    """How many of the positions before a decode step of ``seq`` at cache length ``total``
-    the step re-runs densely first (``repair_tokens``): the drifted ones (written by a sparse
-    step, or after one, since the sequence's last repair or prompt), at most ``repair_tokens``
-    and the inputs kept; 0 unless the step is slow."""
-    if not seq.config.repair_tokens or decode_decision(seq, token, total)[0] != SLOW:
-        return 0
+def repair_span(seq: SequenceState) -> int:
+    """How many of the last positions of ``seq`` a repairing slow step would re-run
+    (``repair_tokens``): the drifted ones (written by a sparse step, or after one, since the
+    sequence's last repair or prompt), at most ``repair_tokens`` and the inputs kept."""
     return min(seq.drifted, seq.config.repair_tokens, len(seq.inputs))
 
 

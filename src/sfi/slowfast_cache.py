@@ -135,14 +135,15 @@ class SlowFastCache(WritesInAttention, Cache):
         self.rebuilder.discard()  # refreshes of a forward that raised before its end
         redo, self._redo = self._redo, None  # (the next forward's alone, even if it raises)
         tokens = input_ids[:, -1].tolist() if input_ids is not None else [None] * batch_size
-        if self.config.repair_tokens and self.phase is None and query_length == 1 and \
-                self.planner.repair_length(tokens, past + 1):
+        if self.phase is None and query_length == 1 and self.planner.repair_length(tokens,
+                                                                                   past + 1):
             notice_once("repair_tokens: a slow step ran without re-running the positions "
                         "before it; only sfi's decode loops (sfi.generate, the server, "
                         "sfi.decode_step.decode_one) run them, not model.generate")
         inputs = None  # a prompt's last inputs, which a repair may re-run
-        if self.config.repair_tokens and query_length > 1 and input_ids is not None:
-            inputs = input_ids[:, -self.config.repair_tokens:].tolist()
+        limit = max((seq.config.repair_tokens for seq in self.planner.sequences), default=0)
+        if limit and self.phase is None and query_length > 1 and input_ids is not None:
+            inputs = input_ids[:, -limit:].tolist()
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,
                                  select=not self.prompt_continues, phase=self.phase, redo=redo,
@@ -236,7 +237,7 @@ class SlowFastCache(WritesInAttention, Cache):
         decode step of ``tokens [B]`` re-runs first, densely, in one forward with its own
         (:meth:`sfi.planner.Planner.repair_length`); None: a plain step."""
         length = self.get_seq_length()
-        if not self.config.repair_tokens or self.phase is not None or length == 0 or \
+        if not self.planner.repairs or self.phase is not None or length == 0 or \
                 tokens.shape[0] != self.batch_size:  # (the forward says what is wrong)
             return None
         n = self.planner.repair_length(tokens.tolist(), length + 1)
