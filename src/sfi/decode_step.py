@@ -50,12 +50,22 @@ def decode_one(model: torch.nn.Module, cache: Any, tokens: torch.Tensor,
     cache.rewind(cache.get_seq_length() - n)
     cache.phase = REPAIR
     try:
-        out = model(input_ids=torch.cat([inputs, tokens[:, None]], dim=1),
-                    position_ids=positions[:, None] + torch.arange(-n, 1, device=positions.device),
-                    use_cache=True, logits_to_keep=1, **{cache_argument(model): cache}, **kwargs)
+        return block_logits(model, cache, torch.cat([inputs, tokens[:, None]], dim=1),
+                            positions - n, attention_mask)[:, -1]
     finally:
         cache.phase = None
-    return out.logits[:, -1]
+
+
+def block_logits(model: torch.nn.Module, cache: Any, ids: torch.Tensor, first: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
+    """``ids [B, Q]`` in one forward at positions ``first [B]`` onwards (``attention_mask
+    [B, T + Q]`` covering the cache and the block; None without padding) -> the logits of the
+    last ``keep`` positions ``[B, keep, V]``: a repair's block, exact mode's verify."""
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    steps = torch.arange(ids.shape[1], device=first.device)
+    out = model(input_ids=ids, position_ids=first[:, None] + steps[None, :], use_cache=True,
+                logits_to_keep=keep, **{cache_argument(model): cache}, **kwargs)
+    return out.logits[:, -keep:]
 
 
 def extended_mask(attention_mask: torch.Tensor | None, more: int) -> torch.Tensor | None:

@@ -37,10 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sfi.decode_step import Sampling, decode_one, extended_mask, sample_next
+from sfi.decode_step import Sampling, block_logits, decode_one, extended_mask, sample_next
 from sfi.draft_length import DraftLength
 from sfi.errors import SFIError
-from sfi.hf import cache_argument
 from sfi.plan import DENSE_STEP, DRAFT, VERIFY
 from sfi.sequence_policy import sparse_pays
 from sfi.slowfast_cache import SlowFastCache
@@ -284,14 +283,8 @@ class ExactDecoder:
         cache.rewind(start_length)  # the drafts' KV: computed from sparse attention
         cache.phase = VERIFY
         ids = torch.cat([tokens[:, None], drafted], dim=1)  # [B, g + 1]
-        steps = torch.arange(1, gamma + 2, device=position.device)
-        kwargs = {}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = extended_mask(attention_mask, gamma + 1)
-        out = self.model(input_ids=ids, position_ids=position[:, None] + steps[None, :],
-                         use_cache=True, logits_to_keep=gamma + 1,
-                         **{cache_argument(self.model): cache}, **kwargs)
-        target = out.logits[:, -(gamma + 1):]
+        target = block_logits(self.model, cache, ids, position + 1,
+                              extended_mask(attention_mask, gamma + 1), keep=gamma + 1)
         q = None if qs[0] is None else torch.stack(qs, dim=1)  # [B, g, V]
         verdict = self._verdict(target, drafted, q, groups)
         accepted = verdict.accepted.tolist()

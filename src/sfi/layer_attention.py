@@ -99,8 +99,8 @@ class SlowFastAttention(AttendingLayer):
         """A dense block, exact mode's verify or a repairing slow step (``sfi.plan``):
         ``query [B, Hq, Q, D]`` over the whole cache in one read
         (:func:`sfi.kernels.block_attention`) -> ``[B, Q, Hq, D]``; its logits are the
-        evidence of the rows it refreshes, where their window holds all Q queries (else their
-        own last queries': a repair's, its last query alone)."""
+        evidence of the rows it refreshes: the rows of their window's last queries (a repair's,
+        its last query alone), or each row's own where their windows differ."""
         plan: StepPlan = step.plan
         b, hq, nq, d = query.shape
         keys, values = self.store.keys, self.store.values
@@ -110,16 +110,18 @@ class SlowFastAttention(AttendingLayer):
                                                  softcap)
         slow = plan.slow
         if slow is not None and len(plan.dense_at(self.layer_idx)) < len(slow.rows):
-            rows, windows = slow.rows, set(slow.evidence_windows)
-            if windows == {nq}:
-                self._refresh(step, slow, rows.take(logits), queries=nq, query=rows.take(q),
-                              attention=rows.take(attention))
-            elif windows == {1}:  # a repair: the last query's rows, as a one-token slow step
-                last = torch.arange(hq // h, device=q.device) * nq + nq - 1  # [G]
-                self._refresh(step, slow, rows.take(logits[:, :, last]),
-                              query=rows.take(q[:, :, last]),
-                              attention=rows.take(attention[:, :, last]))
-            else:  # a row's window is shorter than the block: its own evidence
+            windows = set(slow.evidence_windows)
+            if len(windows) == 1:  # the block's last w queries' rows (a repair's: its last)
+                w = windows.pop()
+                last = (torch.arange(hq // h, device=q.device)[:, None] * nq
+                        + torch.arange(nq - w, nq, device=q.device)).reshape(-1)  # [G * w]
+
+                def evidence(t: torch.Tensor) -> torch.Tensor:
+                    return slow.rows.take(t if w == nq else t[:, :, last])
+
+                self._refresh(step, slow, evidence(logits), queries=w, query=evidence(q),
+                              attention=evidence(attention))
+            else:  # rows' windows differ: each row's own evidence
                 self._select_after_prefill(step, slow, query, scale, softcap)
         return out.reshape(b, hq, nq, -1).transpose(1, 2)
 

@@ -115,6 +115,11 @@ class Planner:
                        for seq, token in zip(self.sequences, tokens)]
             kinds, reasons = [k for k, _ in decided], [r for _, r in decided]
         slow_rows = [r for r, k in enumerate(kinds) if k == SLOW]
+        if phase is None and decode and slow_rows and self.repairs and \
+                self._repair_length([k == SLOW for k in kinds], total):
+            notice_once("repair_tokens: a slow step ran without re-running the positions "
+                        "before it; only sfi's decode loops (sfi.generate, the server, "
+                        "sfi.decode_step.decode_one) run them, not model.generate")
         fast_rows = [r for r, k in enumerate(kinds) if k == FAST]
         dense_rows = [r for r, k in enumerate(kinds) if k == DENSE]
         slow = self._plan_slow(slow_rows, total, query_length, device, memory_total,
@@ -279,10 +284,14 @@ class Planner:
         batch (``SFIConfig.repair_tokens``): where a row's step is slow, the longest
         :func:`repair_span` of all rows (every row re-runs the block, so every row's drift is
         repaired with it), at most the inputs every row has kept; 0: a plain step."""
-        seqs = self.sequences
         if not self.repairs:
             return 0
-        slow = [decode_decision(seq, token, total)[0] == SLOW for seq, token in zip(seqs, tokens)]
+        return self._repair_length([decode_decision(seq, token, total)[0] == SLOW
+                                    for seq, token in zip(self.sequences, tokens)], total)
+
+    def _repair_length(self, slow: Sequence[bool], total: int) -> int:
+        """:meth:`repair_length` from each row's ``slow`` decision."""
+        seqs = self.sequences
         span = max(repair_span(seq) for seq in seqs) if any(slow) else 0
         if not span:
             return 0

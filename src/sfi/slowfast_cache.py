@@ -27,7 +27,6 @@ from sfi.decode_stats import DecodeStats
 from sfi.errors import SFIError
 from sfi.hf import RoutingLease
 from sfi.layer_attention import SlowFastAttention
-from sfi.notices import notice_once
 from sfi.overlap import Rebuilder, make_rebuilder
 from sfi.plan import Redo, StepPlan
 from sfi.planner import Planner, TriggerFactory
@@ -135,15 +134,10 @@ class SlowFastCache(WritesInAttention, Cache):
         self.rebuilder.discard()  # refreshes of a forward that raised before its end
         redo, self._redo = self._redo, None  # (the next forward's alone, even if it raises)
         tokens = input_ids[:, -1].tolist() if input_ids is not None else [None] * batch_size
-        if self.phase is None and query_length == 1 and self.planner.repair_length(tokens,
-                                                                                   past + 1):
-            notice_once("repair_tokens: a slow step ran without re-running the positions "
-                        "before it; only sfi's decode loops (sfi.generate, the server, "
-                        "sfi.decode_step.decode_one) run them, not model.generate")
         inputs = None  # a prompt's last inputs, which a repair may re-run
-        limit = max((seq.config.repair_tokens for seq in self.planner.sequences), default=0)
-        if limit and self.phase is None and query_length > 1 and input_ids is not None:
-            inputs = input_ids[:, -limit:].tolist()
+        if query_length > 1 and self.phase is None and input_ids is not None:
+            limit = max(seq.config.repair_tokens for seq in self.planner.sequences)
+            inputs = input_ids[:, -limit:].tolist() if limit else None
         plan = self.planner.plan(tokens, query_length, past, device,
                                  may_lag=self.rebuilder.asynchronous,
                                  select=not self.prompt_continues, phase=self.phase, redo=redo,
