@@ -20,6 +20,7 @@ from sfi.eval.tasks import make_sample
 from sfi.eviction import EvictionCache
 from sfi.methods import budget_tokens, build_cache, parse_method, sfi_config_for
 from sfi.prefix import SharedPrefill
+from sfi.triggers import REFRESH_REASONS
 
 ROW_KEYS = {"task", "context", "prompt_tokens", "method", "budget", "capacity", "retention",
             "score", "sample"}
@@ -44,6 +45,9 @@ def test_eval_rows_summary_report_and_plots(tiny_llama_with_tokenizer, tmp_path)
     assert by_method[("snapkv", 0.5)]["capacity"] == budget_tokens(0.5, 400)
     assert 0.25 < by_method[("h2o", 0.3)]["retention"] < 0.36
     assert {r["sample"] for r in dicts} == {0, 1}  # the samples' seeds
+    for row in dicts:  # SFI's rows say why they refreshed; the others have no refreshes
+        assert ("refresh_reasons" in row) == row["method"].startswith("sfi")
+        assert row.get("refresh_reasons", {"bootstrap": 1}).get("bootstrap", 0) >= 1
     result = {"model": "tiny", "tasks": ["niah", "fidelity"], "contexts": [400], "samples": 2,
               "seed": 0, "rows": dicts}
     result["summary"] = summarize(dicts)
@@ -64,6 +68,9 @@ def test_eval_rows_summary_report_and_plots(tiny_llama_with_tokenizer, tmp_path)
     report = markdown(result, plots)
     assert ("| context | method | retention | niah | avg | 95% CI | vs full [95% CI] | top1 % | KL "
             "| ppl |") in report
+    assert "| context | method | bootstrap | sentence | interval | period | coverage |" in report
+    refreshes = next(e for e in result["summary"] if e["label"] == "sfi@0.3")["refreshes"]
+    assert refreshes["bootstrap"] >= 1 and set(refreshes) == set(REFRESH_REASONS)
 
 
 def test_generation_rows_read_each_text_with_full_attention(tiny_llama_with_tokenizer):

@@ -27,6 +27,7 @@ def test_full_budget_is_exact_and_small_budget_is_not():
     assert tiny.kl_mean > 1e-4 and tiny.fast_retention < 0.2
     assert tiny.fast_retention < tiny.retention < 1.0  # slow steps read everything
     assert tiny.slow_steps == [5, 10, 15, 20, 25, 30, 35]  # every 5th fed token refreshes
+    assert tiny.refresh_reasons["period"] == len(tiny.slow_steps)
     assert len(tiny.kl_per_step) == 40
     assert max(tiny.kl_per_step) == pytest.approx(tiny.kl_max, abs=1e-6)
     # a slow step attends densely: only the KV that earlier fast steps perturbed differs

@@ -42,6 +42,7 @@ class FidelityResult:
     retention: float
     fast_retention: float | None = None
     slow_steps: list[int] = field(default_factory=list)
+    refresh_reasons: dict[str, int] = field(default_factory=dict)  # refreshes by cause
     kl_per_step: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,6 +108,7 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
             method=name, context=context, tokens=steps, kl_mean=float(kl.mean()),
             kl_max=float(kl.max()), top1=top1, ppl=perplexity(log_method, target),
             ppl_full=ppl_full, retention=read, fast_retention=fast_read, slow_steps=slow,
+            refresh_reasons=dict(cache.stats().refresh_reasons),
             kl_per_step=[round(float(v), 6) for v in kl]))
     return results
 

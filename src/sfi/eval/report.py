@@ -10,6 +10,7 @@ from typing import Any
 
 from sfi.errors import SFIError
 from sfi.eval.tasks import GENERATION_TASKS, LIST_TASKS, RETRIEVAL_TASKS, TASKS
+from sfi.triggers import REFRESH_REASONS
 
 Row = dict[str, Any]
 
@@ -65,6 +66,10 @@ def summarize(rows: list[Row]) -> list[Row]:
         generated = [r for r in members if r["task"] in GENERATION_TASKS]
         if generated:
             entry["generation"] = _generation_summary(generated)
+        refreshed = [r["refresh_reasons"] for r in members if "refresh_reasons" in r]
+        if refreshed:
+            entry["refreshes"] = {cause: round(mean(r.get(cause, 0) for r in refreshed), 2)
+                                  for cause in REFRESH_REASONS}
         accepted = [r["acceptance"] for r in members if r.get("acceptance") is not None]
         if accepted:
             entry["acceptance"] = round(mean(accepted), 4)
@@ -277,6 +282,14 @@ def markdown(result: Row, plots: list[str]) -> str:
         lines += [f"| {e['context']} | {e['label']} | {e['items']['found']} / "
                   f"{e['items']['asked']} | {e['items'].get('lost_vs_full', '-')} | "
                   f"{e['items'].get('gained_vs_full', '-')} |" for e in listed]
+    refreshed = [e for e in result["summary"] if "refreshes" in e]
+    if refreshed:
+        lines += ["", "SFI's refreshes by cause, mean per sample (over every task of the row).",
+                  "", "| context | method | " + " | ".join(REFRESH_REASONS) + " |",
+                  "|---|---|" + "---|" * len(REFRESH_REASONS)]
+        lines += [f"| {e['context']} | {e['label']} | "
+                  + " | ".join(f"{e['refreshes'][cause]:g}" for cause in REFRESH_REASONS) + " |"
+                  for e in refreshed]
     lines += ["", "Per-sample rows, with each output, are in `results.json`.", ""]
     lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"

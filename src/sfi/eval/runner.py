@@ -64,6 +64,7 @@ class EvalRow:
     depth: float | None = None
     fast_retention: float | None = None
     slow_steps: int | None = None
+    refresh_reasons: dict[str, int] | None = None  # SFI: refreshes by cause (nonzero ones)
     kl: float | None = None
     top1: float | None = None
     ppl: float | None = None
@@ -186,7 +187,8 @@ def _continue(model: torch.nn.Module, tokenizer: Any, method: Method, budget: fl
               base: SFIConfig | None, overrides: dict[str, Any] | None
               ) -> tuple[list[int], dict[str, Any]]:
     """One run's continuation of ``shared`` (greedy, or exact mode's) and what it read: the
-    row fields ``retention``, ``fast_retention``, ``slow_steps`` and ``acceptance``."""
+    row fields ``retention``, ``fast_retention``, ``slow_steps``, ``refresh_reasons`` and
+    ``acceptance``."""
     cache = build_cache(model, tokenizer, method, config=base, budget=budget,
                         context=sample.context, overrides=overrides)
     run = exact_continue if method.exact else greedy_continue
@@ -197,6 +199,7 @@ def _continue(model: torch.nn.Module, tokenizer: Any, method: Method, budget: fl
         "retention": round(read, 4),
         "fast_retention": None if fast_read is None else round(fast_read, 4),
         "slow_steps": stats.slow_steps if stats is not None else None,
+        "refresh_reasons": _refreshes(stats.refresh_reasons) if stats is not None else None,
         "acceptance": round(stats.acceptance_rate, 4) if method.exact else None}
 
 
@@ -231,8 +234,15 @@ def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index
                             else round(result.fast_retention, 4)),
             slow_steps=len(result.slow_steps), kl=round(result.kl_mean, 6),
             top1=round(result.top1, 6), ppl=round(result.ppl, 4), ppl_full=round(ppl_full, 4),
-            kl_per_step=result.kl_per_step, slow_step_indices=result.slow_steps))
+            kl_per_step=result.kl_per_step, slow_step_indices=result.slow_steps,
+            refresh_reasons=(_refreshes(result.refresh_reasons) if method.kind == "sfi"
+                             else None)))
     return rows
+
+
+def _refreshes(reasons: dict[str, int]) -> dict[str, int]:
+    """The causes that refreshed at least once, with their counts."""
+    return {reason: count for reason, count in reasons.items() if count}
 
 
 def _generation_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
