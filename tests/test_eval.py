@@ -231,13 +231,15 @@ def test_eval_and_analyze_commands(default_model, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--methods", "sfi+pyramidkv"], "own budget"),
-    (["--tasks", "haystack"], "unknown haystack"),
-    (["--budgets", "0"], "positive"),
-    (["--contexts", "abc"], "comma-separated integers"),
+    (["eval", "--methods", "sfi+pyramidkv"], "own budget"),
+    (["eval", "--tasks", "haystack"], "unknown haystack"),
+    (["eval", "--budgets", "0"], "positive"),
+    (["eval", "--contexts", "abc"], "comma-separated integers"),
+    (["diagnose", "--task", "vt", "--depth", "0.5"], "vt has no depth"),
+    (["diagnose", "--task", "niah", "--depth", "1.5"], "--depth must lie in [0, 1]"),
 ])
 def test_eval_bad_input_exits_with_a_message(args, message):
-    result = run_cli_here("eval", *args)
+    result = run_cli_here(*args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
 

@@ -153,6 +153,10 @@ def diagnose_cmd(
     task: Annotated[str, typer.Option(help="the task of the sample")] = "passkey",
     context: Annotated[int, typer.Option(help="prompt length in tokens")] = 4096,
     seed: Annotated[int, typer.Option(help="the sample's seed (as in sfi eval)")] = 0,
+    depth: Annotated[float | None, typer.Option(
+        help="where passkey's or niah's needle lies (0-1); sfi eval sweeps niah's over the "
+             "samples, so give its row's depth to diagnose that sample (default: drawn from "
+             "the seed)")] = None,
     budget: Annotated[float, typer.Option(help="C, the tokens kept per KV head (S + K + R): a "
                                           "fraction of the context (<= 1) or tokens")] = 0.15,
     methods: Annotated[str, typer.Option(help="SFI methods, e.g. sfi,sfi:paper,"
@@ -176,9 +180,13 @@ def diagnose_cmd(
     for name in method_list:
         if parse_method(name).kind != "sfi":
             raise SFIError(f"diagnose takes SFI methods; {name!r} is not one")
+    if depth is not None and task not in ("passkey", "niah"):
+        raise SFIError(f"--depth places passkey's or niah's needle; {task} has no depth")
     budget_tokens(budget, context)
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise SFIError(f"--depth must lie in [0, 1], got {depth}")
     loaded_model, tokenizer = load_model(model, as_json)
-    sample = make_sample(task, tokenizer, context, seed)
+    sample = make_sample(task, tokenizer, context, seed, depth=depth)
     with err.status("diagnosing") if not as_json else contextlib.nullcontext():
         result = diagnose(loaded_model, tokenizer, sample, seed, method_list, budget,
                           store=prefill_cache)
