@@ -193,7 +193,8 @@ def diagnose_cmd(
     if as_json:
         print(json.dumps(result.to_dict()))
         return
-    err.print(f"{task} seed {seed}, {sample.context} tokens; answers {result.answers} at "
+    where = f" at depth {sample.depths[0]:g}" if task in ("passkey", "niah") else ""
+    err.print(f"{task} seed {seed}{where}, {sample.context} tokens; answers {result.answers} at "
               f"{result.positions}; full attention says {result.full_output!r}")
     order = ("evidence", "pooled", "fused", "nms", "exclusive", "score", "selected")
     seen = {s for m in result.methods for s in m.token_coverage}
