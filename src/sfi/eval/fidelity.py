@@ -79,7 +79,8 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
         ids: ``[1, context + N]`` real token ids: the context, then the continuation.
         context: how many of ``ids`` are context.
         methods: name -> SFIConfig, (SFIConfig, scorer) for an ablation of the Selector, or a
-            function returning a fresh cache (any method of ``sfi.eval.methods``).
+            function returning a fresh cache (a :class:`~sfi.decode_cache.DecodeCache`: any
+            method of ``sfi.methods``).
         window: the last context tokens run as one forward after the shared prefill (SFI's first
             selection sees their queries, as after a normal prefill).
         prefix: the shared prefill of ``ids[:, : context - window]``, when the caller has it.

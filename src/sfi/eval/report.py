@@ -284,7 +284,8 @@ def markdown(result: Row, plots: list[str]) -> str:
                   f"{e['items'].get('gained_vs_full', '-')} |" for e in listed]
     refreshed = [e for e in result["summary"] if "refreshes" in e]
     if refreshed:
-        lines += ["", "SFI's refreshes by cause, mean per sample (over every task of the row).",
+        lines += ["", "SFI's refreshes by cause, mean per sample (over the row's samples that "
+                  "record them).",
                   "", "| context | method | " + " | ".join(REFRESH_REASONS) + " |",
                   "|---|---|" + "---|" * len(REFRESH_REASONS)]
         lines += [f"| {e['context']} | {e['label']} | "
