@@ -116,7 +116,7 @@ class Planner:
             kinds, reasons = [k for k, _ in decided], [r for _, r in decided]
         slow_rows = [r for r, k in enumerate(kinds) if k == SLOW]
         if phase is None and decode and slow_rows and self.repairs and \
-                self._repair_length([k == SLOW for k in kinds], total):
+                self._repair_bounds([k == SLOW for k in kinds], total)[1]:
             notice_once("repair_tokens: a slow step ran without re-running the positions "
                         "before it; only sfi's decode loops (sfi.generate, the server, "
                         "sfi.decode_step.decode_one) run them, not model.generate")
@@ -286,27 +286,29 @@ class Planner:
         repaired with it), at most the inputs every row has kept; 0: a plain step."""
         if not self.repairs:
             return 0
-        return self._repair_length([decode_decision(seq, token, total)[0] == SLOW
-                                    for seq, token in zip(self.sequences, tokens)], total)
+        span, length = self._repair_bounds([decode_decision(seq, token, total)[0] == SLOW
+                                            for seq, token in zip(self.sequences, tokens)],
+                                           total)
+        if length < span:
+            notice_once("repair_tokens: a repair re-ran fewer positions than drifted, as far "
+                        "as every row of the batch allows (the inputs it kept, the recent "
+                        "window of a row not refreshing)")
+        return length
 
-    def _repair_length(self, slow: Sequence[bool], total: int) -> int:
-        """:meth:`repair_length` from each row's ``slow`` decision."""
+    def _repair_bounds(self, slow: Sequence[bool], total: int) -> tuple[int, int]:
+        """``(span, length)`` for each row's ``slow`` decision: the longest drift a repair
+        would re-run (0 where no row is slow) and how much of it every row allows."""
         seqs = self.sequences
         span = max(repair_span(seq) for seq in seqs) if any(slow) else 0
         if not span:
-            return 0
+            return 0, 0
         # every row re-runs the block: it needs each row's inputs, and must stay inside the
         # recent window of a row that does not refresh (its compact copies of older
         # positions stay as they are)
         kept = min(len(seq.inputs) for seq in seqs)
         recent = [total - 1 - seq.memory.recent_start for seq, refreshes in zip(seqs, slow)
                   if seq.memory is not None and not refreshes]
-        length = min(span, kept, *recent)
-        if length < span:
-            notice_once("repair_tokens: a repair re-ran fewer positions than drifted, as far "
-                        "as every row of the batch allows (the inputs it kept, the recent "
-                        "window of a row not refreshing)")
-        return length
+        return span, min(span, kept, *recent)
 
     # --- after the step ---------------------------------------------------------------------
     def commit(self, plan: StepPlan, lagged: dict[int, int], layers: Sequence[int],
