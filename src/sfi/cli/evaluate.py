@@ -171,7 +171,7 @@ def diagnose_cmd(
     Per Selector stage and (layer, KV head), whether the selection holds the answer's tokens;
     per answer step, the attention mass the memory holds."""
     from sfi.eval.diagnose import diagnose
-    from sfi.eval.tasks import TASKS, found_in_order, make_sample
+    from sfi.eval.tasks import DEPTH_TASKS, TASKS, check_depth, found_in_order, make_sample
     from sfi.methods import budget_tokens, parse_method
 
     if task not in TASKS or task == "fidelity":
@@ -180,11 +180,8 @@ def diagnose_cmd(
     for name in method_list:
         if parse_method(name).kind != "sfi":
             raise SFIError(f"diagnose takes SFI methods; {name!r} is not one")
-    if depth is not None and task not in ("passkey", "niah"):
-        raise SFIError(f"--depth places passkey's or niah's needle; {task} has no depth")
+    check_depth(task, depth, "--depth")  # (before the model loads; make_sample checks too)
     budget_tokens(budget, context)
-    if depth is not None and not 0.0 <= depth <= 1.0:
-        raise SFIError(f"--depth must lie in [0, 1], got {depth}")
     loaded_model, tokenizer = load_model(model, as_json)
     sample = make_sample(task, tokenizer, context, seed, depth=depth)
     with err.status("diagnosing") if not as_json else contextlib.nullcontext():
@@ -193,7 +190,7 @@ def diagnose_cmd(
     if as_json:
         print(json.dumps(result.to_dict()))
         return
-    where = f" at depth {sample.depths[0]:g}" if task in ("passkey", "niah") else ""
+    where = f" at depth {sample.depths[0]:g}" if task in DEPTH_TASKS else ""
     err.print(f"{task} seed {seed}{where}, {sample.context} tokens; answers {result.answers} at "
               f"{result.positions}; full attention says {result.full_output!r}")
     order = ("evidence", "pooled", "fused", "nms", "exclusive", "score", "selected")

@@ -292,12 +292,27 @@ def chat_prompt(tokenizer: Any, user: str, answer_prefix: str) -> str:
     return head + answer_prefix
 
 
+DEPTH_TASKS = ("passkey", "niah")  # the tasks whose one needle's depth a caller may place
+
+
 def _depths(task: str, rng: random.Random, depth: float | None) -> list[float]:
     if task == "vt":  # the chain in order, spread over the text
         return sorted(rng.uniform(0.05, 0.95) for _ in range(NEEDLE_COUNT))
-    if task in ("passkey", "niah"):
+    if task in DEPTH_TASKS:
         return [depth if depth is not None else rng.uniform(0.0, 1.0)]
     return [rng.uniform(0.05, 0.95) for _ in range(LIST_TASKS.get(task, NEEDLE_COUNT))]
+
+
+def check_depth(task: str, depth: float | None, name: str = "depth") -> None:
+    """Refuse a needle depth (given as ``name``) that ``task`` has no use for or that lies
+    outside [0, 1]."""
+    if depth is None:
+        return
+    if task not in DEPTH_TASKS:
+        raise SFIError(f"{name} places the needle of {' or '.join(DEPTH_TASKS)}; {task} has "
+                       "no depth")
+    if not 0.0 <= depth <= 1.0:
+        raise SFIError(f"{name} must lie in [0, 1], got {depth}")
 
 
 def make_sample(task: str, tokenizer: Any, context: int, seed: int,
@@ -311,8 +326,7 @@ def make_sample(task: str, tokenizer: Any, context: int, seed: int,
     """
     if task not in TASKS:
         raise SFIError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-    if depth is not None and not 0.0 <= depth <= 1.0:
-        raise SFIError(f"depth must lie in [0, 1], got {depth}")
+    check_depth(task, depth)
     rng = random.Random(f"{task}/{context}/{seed}")
     if task == "fidelity" or task in GENERATION_TASKS:
         ids = code_ids(tokenizer) if task == "generation_code" else essay_ids(tokenizer)
