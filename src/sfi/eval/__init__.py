@@ -1,1 +1,4 @@
-"""Quality measurements: fidelity to full attention (more tasks to come, see issue 4)."""
+"""Quality measurements against full attention: the retrieval and list-answer tasks
+(``tasks``, ``runner``), teacher-forced fidelity (``fidelity``), free generation
+(``generation``), support stability (``stability``), per-sample diagnoses (``diagnose``) and
+the reports and figures (``report``, ``figures``)."""
