@@ -223,6 +223,10 @@ def test_eval_and_analyze_commands(default_model, tmp_path):
     assert merged.returncode == 0, merged.stderr
     assert len(json.loads((tmp_path / "merged" / "results.json").read_text())["rows"]) == 3
     assert run_cli("report", str(tmp_path / "nope.json"), "--out", str(tmp_path)).returncode == 2
+    assert {r["weights"] for r in out["rows"]} == {"native"}
+    other = run_cli("eval", "--tasks", "passkey", "--contexts", "600", "--samples", "1",
+                    "--methods", "full", "--weights", "bf16", "--out", str(tmp_path), "--resume")
+    assert other.returncode == 2 and "not bf16" in other.stderr, other.stderr  # rows: native
     analysis = run_cli("analyze", "--context", "700", "--tokens", "24", "--top-k", "16",
                        "--json")
     assert analysis.returncode == 0, analysis.stderr
@@ -237,6 +241,8 @@ def test_eval_and_analyze_commands(default_model, tmp_path):
     (["eval", "--contexts", "abc"], "comma-separated integers"),
     (["diagnose", "--task", "vt", "--depth", "0.5"], "vt has no depth"),
     (["diagnose", "--task", "niah", "--depth", "1.5"], "--depth must lie in [0, 1]"),
+    (["eval", "--weights", "int4"], "--weights"),
+    (["eval", "--weights", "native,int8"], "one format"),
 ])
 def test_eval_bad_input_exits_with_a_message(args, message):
     result = run_cli_here(*args)
@@ -303,6 +309,27 @@ def test_bootstrap_intervals_cover_the_mean_and_pair_with_full():
     assert sfi_entry["delta_full_ci"][1] < 0  # it loses on the same samples, surely
     assert entries["full"]["average_ci"] == [100.0, 100.0] and "delta_full" not in entries["full"]
     assert bootstrap_interval({"passkey": {0: 50.0}}) is None  # one sample: no interval
+
+
+def test_each_weight_format_is_its_own_row_paired_with_its_own_full():
+    rows = []
+    for weights, sfi_score in (("native", 100.0), ("int8", 0.0)):
+        for sample in range(2):
+            rows.append({"task": "passkey", "context": 100, "method": "full", "budget": 1.0,
+                         "retention": 1.0, "score": 100.0 if weights == "native" else 50.0,
+                         "sample": sample, "weights": weights})
+            rows.append({"task": "passkey", "context": 100, "method": "sfi", "budget": 0.1,
+                         "retention": 0.1, "score": sfi_score, "sample": sample,
+                         "weights": weights})
+    old = [{k: v for k, v in r.items() if k != "weights"} for r in rows[:4]]  # before weights
+    run = {"model": "m", "tasks": ["passkey"], "contexts": [100], "samples": 2, "seed": 0}
+    merged = merge_results([{**run, "rows": old}, {**run, "rows": rows[4:]}])
+    entries = {e["label"]: e for e in merged["summary"]}
+    assert list(entries) == ["full", "sfi@0.1", "full (int8)", "sfi@0.1 (int8)"]
+    assert entries["sfi@0.1"]["delta_full"] == 0.0  # against native full
+    assert entries["sfi@0.1 (int8)"]["delta_full"] == -50.0  # against int8 full
+    assert "delta_full" not in entries["full (int8)"]
+    assert "weights native, int8." in markdown(merged, [])
 
 
 def test_long_answers_are_counted_item_by_item_against_full():

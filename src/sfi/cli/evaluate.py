@@ -11,11 +11,13 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
-from sfi.cli.common import err, load_model, print_table
+from sfi.cli.common import err, load_model, one_format, print_table
 from sfi.cli_options import (
+    CompileOpt,
     JsonOpt,
     ModelOpt,
     SetOpt,
+    WeightsOpt,
     build_config,
     float_list,
     int_list,
@@ -68,6 +70,8 @@ def eval_cmd(
              "(about 200 MB per 8K sample of Qwen2.5-0.5B)")] = None,
     resume: Annotated[bool, typer.Option(help="with --out: keep the rows of samples an "
                                          "interrupted run already wrote, run the rest")] = False,
+    weights: WeightsOpt = "native",
+    compile: CompileOpt = None,
 ) -> None:
     """Long-context quality of SFI against full attention and KV-eviction baselines.
 
@@ -89,10 +93,11 @@ def eval_cmd(
     build_config(extra=set_)  # a clear error for a value the config refuses
     if samples < 1 or fidelity_tokens < 1:
         raise SFIError("--samples and --fidelity-tokens must be >= 1")
+    weights = one_format(weights)
     if resume and out is None:
         raise SFIError("--resume needs --out (the folder of the interrupted run)")
     journal = None if out is None else out / "rows.jsonl"
-    earlier = _read_journal(journal) if resume else []
+    earlier = _read_journal(journal, weights) if resume else []
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         journal.write_text("".join(json.dumps(r) + "\n" for r in earlier), encoding="utf-8")
@@ -102,7 +107,7 @@ def eval_cmd(
             with journal.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r.to_dict()) + "\n" for r in new_rows)
 
-    loaded_model, tokenizer = load_model(model, as_json)
+    loaded_model, tokenizer = load_model(model, as_json, weights=weights, compile=compile)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn())
     with Progress(*columns, console=err, transient=True, disable=as_json) as progress:
@@ -117,10 +122,11 @@ def eval_cmd(
                         samples, seed=seed, fidelity_tokens=fidelity_tokens, tag=tag,
                         on_sample=advance, store=prefill_cache, overrides=overrides,
                         on_rows=keep, done={(r["task"], r["context"], r["sample"])
-                                            for r in earlier})
+                                            for r in earlier}, weights=weights)
     result: dict[str, Any] = {
         "model": model, "tasks": task_list, "contexts": context_list, "methods": method_list,
-        "budgets": budget_list, "samples": samples, "seed": seed, "sfi_overrides": set_ or [],
+        "budgets": budget_list, "samples": samples, "seed": seed, "weights": weights,
+        "sfi_overrides": set_ or [],
         "command": "sfi eval " + " ".join(sys.argv[2:]),
         "rows": earlier + [r.to_dict() for r in rows]}
     result["summary"] = summarize(result["rows"])
@@ -135,8 +141,9 @@ def eval_cmd(
         err.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and the plots")
 
 
-def _read_journal(path: Path) -> list[dict[str, Any]]:
-    """The rows an interrupted ``sfi eval --out`` wrote, whole samples only."""
+def _read_journal(path: Path, weights: str) -> list[dict[str, Any]]:
+    """The rows an interrupted ``sfi eval --out`` wrote, whole samples only; an error where
+    they were decoded with other weights than ``weights``."""
     if not path.is_file():
         return []
     rows = []
@@ -145,6 +152,11 @@ def _read_journal(path: Path) -> list[dict[str, Any]]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break  # a line cut by the interruption, and whatever follows
+    other = {r.get("weights", "native") for r in rows} - {weights}
+    if other:
+        raise SFIError(f"--resume: {path} holds rows decoded with --weights "
+                       f"{', '.join(sorted(other))}, not {weights}; resume with those weights "
+                       "or write to another --out")
     return rows
 
 
@@ -165,6 +177,8 @@ def diagnose_cmd(
     prefill_cache: Annotated[Path | None, typer.Option(help="reuse/keep the sample's prefill "
                                                        "here (as sfi eval)")] = None,
     as_json: JsonOpt = False,
+    weights: WeightsOpt = "native",
+    compile: CompileOpt = None,
 ) -> None:
     """Why SFI keeps or loses an answer, stage by stage of the Selector.
 
@@ -182,7 +196,8 @@ def diagnose_cmd(
             raise SFIError(f"diagnose takes SFI methods; {name!r} is not one")
     check_depth(task, depth, "--depth")  # (before the model loads; make_sample checks too)
     budget_tokens(budget, context)
-    loaded_model, tokenizer = load_model(model, as_json)
+    loaded_model, tokenizer = load_model(model, as_json, weights=one_format(weights),
+                                         compile=compile)
     sample = make_sample(task, tokenizer, context, seed, depth=depth)
     with err.status("diagnosing") if not as_json else contextlib.nullcontext():
         result = diagnose(loaded_model, tokenizer, sample, seed, method_list, budget,

@@ -34,11 +34,12 @@ def plot_score_vs_budget(result: Row, folder: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(11, 5))
     lines: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for e in summary:
-        lines[(e["method"], e["context"])].append((100 * e["retention"], e["average"]))
+        lines[(e["method"], e.get("weights", "native"), e["context"])].append(
+            (100 * e["retention"], e["average"]))
     colours = plt.get_cmap("tab20").colors
     markers = "os^Dv<>pP*Xh"
-    for i, ((method, context), points) in enumerate(sorted(lines.items())):
-        name = short_label(method)
+    for i, ((method, weights, context), points) in enumerate(sorted(lines.items())):
+        name = short_label(method) + ("" if weights == "native" else f" {weights}")
         name = f"{name} ({context})" if len(result["contexts"]) > 1 else name
         points.sort()
         if method == "full":

@@ -32,8 +32,15 @@ def short_label(method: str) -> str:
 
 
 def label(row: Row) -> str:
-    """``method@budget`` (``full`` alone)."""
-    return "full" if row["method"] == "full" else f"{row['method']}@{row['budget']:g}"
+    """``method@budget`` (``full`` alone), followed by the weight format in brackets where it
+    is not ``native`` (``sfi@0.1 (int8)``)."""
+    name = "full" if row["method"] == "full" else f"{row['method']}@{row['budget']:g}"
+    return _with_weights(name, row.get("weights", "native"))
+
+
+def _with_weights(name: str, weights: str) -> str:
+    """``name``, with ``weights`` in brackets unless they are native."""
+    return name if weights == "native" else f"{name} ({weights})"
 
 
 def summarize(rows: list[Row]) -> list[Row]:
@@ -48,7 +55,8 @@ def summarize(rows: list[Row]) -> list[Row]:
     for (context, name), members in groups.items():
         first = members[0]
         entry: Row = {"context": context, "method": first["method"], "budget": first["budget"],
-                      "label": name, "retention": round(mean(r["retention"] for r in members), 4)}
+                      "weights": first.get("weights", "native"), "label": name,
+                      "retention": round(mean(r["retention"] for r in members), 4)}
         by_task: dict[str, list[float]] = defaultdict(list)
         for r in members:
             by_task[r["task"]].append(r["score"])
@@ -132,10 +140,11 @@ def _add_items(entries: list[Row], groups: dict[tuple, list[Row]]) -> None:
             continue
         entry["items"] = {"found": sum(sum(v) for v in mine.values()),
                           "asked": sum(len(v) for v in mine.values())}
-        full = _items(groups.get((entry["context"], "full"), []))
+        reference = _with_weights("full", entry["weights"])
+        full = _items(groups.get((entry["context"], reference), []))
         paired = [(a, b) for key, found in mine.items() if key in full
                   for a, b in zip(found, full[key])]
-        if entry["label"] != "full" and paired:
+        if entry["label"] != reference and paired:
             entry["items"]["lost_vs_full"] = sum(b and not a for a, b in paired)
             entry["items"]["gained_vs_full"] = sum(a and not b for a, b in paired)
 
@@ -175,11 +184,13 @@ def bootstrap_interval(scores: dict[str, dict[int, float]], level: float = 0.95,
 
 
 def _add_paired_differences(entries: list[Row], groups: dict[tuple, list[Row]]) -> None:
-    """Each entry's task-average difference to full attention on the same samples, with its
-    bootstrap interval (paired: a resample draws the same samples for both)."""
+    """Each entry's task-average difference to full attention with the same weights on the
+    same samples, with its bootstrap interval (paired: a resample draws the same samples for
+    both)."""
     for entry in entries:
-        full = groups.get((entry["context"], "full"))
-        if full is None or entry["label"] == "full" or entry["average"] is None:
+        reference = _with_weights("full", entry["weights"])
+        full = groups.get((entry["context"], reference))
+        if full is None or entry["label"] == reference or entry["average"] is None:
             continue
         mine, theirs = _per_task(groups[(entry["context"], entry["label"])]), _per_task(full)
         paired = {task: {i: score - theirs[task][i] for i, score in samples.items()
@@ -193,7 +204,8 @@ def _table_order(entry: Row) -> tuple:
     """Full attention first, then SFI and its variants, then the baselines; budgets rising."""
     method = entry["method"]
     family = 0 if method.startswith("full") else 1 if method.startswith("sfi") else 2
-    return entry["context"], family, method, entry["budget"]
+    return (entry["context"], entry.get("weights", "native") != "native",
+            entry.get("weights", "native"), family, method, entry["budget"])
 
 
 def tasks_of(summary: list[Row]) -> list[str]:
@@ -237,12 +249,19 @@ def _interval3(bounds: list[float] | None) -> str:
     return "" if bounds is None else f"[{bounds[0]:.3f}, {bounds[1]:.3f}]"
 
 
+def _formats(summary: list[Row]) -> list[str]:
+    """The weight formats of a summary's entries, native first (native where there is none)."""
+    found = {e.get("weights", "native") for e in summary} or {"native"}
+    return sorted(found, key=lambda w: (w != "native", w))
+
+
 def markdown(result: Row, plots: list[str]) -> str:
     """The report: what ran, the table, per-sample outputs' location, the plots."""
     header, cells = table_rows(result["summary"])
     lines = [f"# sfi eval: {result['model']}", "",
              f"Tasks {', '.join(result['tasks'])}; contexts {result['contexts']}; "
-             f"{result['samples']} sample(s) per task and context; seed {result['seed']}.",
+             f"{result['samples']} sample(s) per task and context; seed {result['seed']}; "
+             f"weights {', '.join(_formats(result['summary']))}.",
              f"Command: `{result.get('command', 'sfi eval')}`", "",
              "Scores are percentages (string match; `sequential` and `codesN` count needles "
              "recalled in the asked order; fidelity's score is top-1 agreement with full "
@@ -298,8 +317,8 @@ def markdown(result: Row, plots: list[str]) -> str:
 
 def merge_results(results: list[Row]) -> Row:
     """Several runs of one model as one result: rows united (a row of a later run replaces one
-    of an earlier run with the same task, context, sample, method and budget), settings
-    united, the summary recomputed."""
+    of an earlier run with the same task, context, sample, method, budget and weights),
+    settings united, the summary recomputed."""
     if not results:
         raise SFIError("nothing to merge")
     models = {r["model"] for r in results}
@@ -309,7 +328,7 @@ def merge_results(results: list[Row]) -> Row:
     for r in results:
         for row in r["rows"]:
             latest[(row["task"], row["context"], row["sample"], row["method"],
-                    row["budget"])] = row
+                    row["budget"], row.get("weights", "native"))] = row
     rows = list(latest.values())
     merged: Row = {
         "model": models.pop(),

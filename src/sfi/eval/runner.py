@@ -77,6 +77,7 @@ class EvalRow:
     distinct_full: float | None = None
     divergence: int | None = None  # generation: where the text first departs from full's
     output: str | None = None
+    weights: str = "native"  # the linear layers' weight format (``sfi.load(weights=...)``)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -294,13 +295,15 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
              tag: str = "", on_sample: Callable[[str, int, int], None] | None = None,
              store: Path | None = None, overrides: dict[str, Any] | None = None,
              on_rows: Callable[[list[EvalRow]], None] | None = None,
-             done: Collection[tuple[str, int, int]] = ()) -> list[EvalRow]:
+             done: Collection[tuple[str, int, int]] = (), weights: str = "native"
+             ) -> list[EvalRow]:
     """Evaluate ``methods`` (names, or ``name@budget``) at each of ``budgets`` on ``samples``
     seeded samples of each task and context length.
 
     ``base`` sets SFI's knobs other than the budget and ``overrides`` fields on top of it or of
     a method's preset (``sfi:paper``). A ``tag`` is appended to every method name of the rows
-    (``sfi:tag``), so that runs of variants can be merged into one report.
+    (``sfi:tag``), so that runs of variants can be merged into one report; ``weights`` names
+    the format ``model`` was loaded with, recorded in every row.
     ``on_sample(task, context, index)`` reports progress and ``on_rows(rows)`` receives each
     sample's rows as soon as they exist; samples ``(task, context, seed)`` in ``done`` are
     skipped (a resumed run). ``store`` keeps every sample's prefill on disk, so that a later run
@@ -332,6 +335,7 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
                                       store, overrides)
                 for row in new:
                     row.method = f"{row.method}:{tag}" if tag else row.method
+                    row.weights = weights
                 rows.extend(new)
                 if on_rows is not None:
                     on_rows(new)
