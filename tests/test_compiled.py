@@ -49,6 +49,9 @@ SFI_CASES = {  # (configuration, left padding of the second row)
     # coverage_retry: flagged steps the routing hook runs again, through the graphs above
     "sfi-retry": (dict(page_size=4, coverage_layers=2, coverage_threshold=0.3, coverage_gap=1,
                        coverage_retry=True, trigger="fixed", period=4), 0),
+    # probes that also read the page after the most attended one (coverage_next)
+    "sfi-next": (dict(page_size=4, coverage_layers=2, coverage_threshold=0.5, coverage_gap=1,
+                      coverage_next=True, trigger="fixed", period=4), 0),
     # repairing slow steps: eager blocks (a row's slow step, the other row fast) between graphs
     "sfi-repair": (dict(coverage_layers=0, trigger="random", random_period_min=2,
                         random_period_max=5, repair_tokens=8), 30),

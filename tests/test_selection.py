@@ -329,6 +329,52 @@ def test_a_memory_missing_a_heavy_page_is_flagged():
     assert probe_layers(3, [0, 1], dense_layers=0) == (0, 1)
 
 
+def test_the_page_after_the_most_attended_selected_position_is_read_first():
+    """``coverage_next``: a copy that runs past the held page is caught by reading the page
+    after it, which the page bound alone ranks below a page of wide keys."""
+    from sfi.coverage import missing_rows, page_scores, unheld_pages, with_next_pages
+    from sfi.pages import page_bounds, page_boxes
+
+    g = torch.Generator().manual_seed(2)
+    n, h, gq, d, page, pages = 1, 1, 2, 8, 4, 10
+    keys = torch.randn(n, h, pages * page, d, generator=g) * 0.1
+    query = torch.randn(n, h, gq, d, generator=g)
+    wanted = query[0, 0].sum(0)
+    keys[0, 0, 15] = wanted * 2  # the copy's source now: the last position of held page 3
+    keys[0, 0, 16] = wanted * 2  # where it goes next: page 4, held by nothing
+    eye = torch.eye(d) * 8
+    keys[0, 0, 24:28] = torch.cat([eye[:2], -eye[:2]])  # page 6: a wide box, low logits
+    keys[0, 0, 28:32] = torch.cat([eye[2:4], -eye[2:4]])  # page 7 too
+    keys[0, 0, 0] = wanted * 2.2  # the sink: the most attended slot, never a copy's source
+    memory = torch.tensor([[[0, 12, 13, 14, 15]]])  # a sink, then held page 3
+    held = torch.tensor([[False, True, True, True, True]])
+    lo, hi = torch.tensor([1]), torch.tensor([36])
+    scale = d ** -0.5
+    memory_logits = torch.matmul(query, keys[:, :, memory[0, 0]].transpose(-1, -2)) * scale
+    recent = torch.matmul(query, keys[:, :, 36:].transpose(-1, -2)) * scale
+    lse = torch.logsumexp(torch.cat([memory_logits, recent], -1), dim=-1)
+    outside = unheld_pages(memory, held, lo, hi, pages=pages, page=page)
+    scores = page_scores(query, page_boxes(*page_bounds(keys, page)), outside)
+    assert int(scores[0, 0].argmax()) in (6, 7)  # the bound prefers the wide pages
+    ranked = with_next_pages(scores, memory_logits, memory, held, page=page)
+    assert int(ranked[0, 0].argmax()) == 4
+    assert torch.equal(ranked[..., :4], scores[..., :4])  # nothing else moves
+
+    def flagged(s: torch.Tensor, top: int) -> bool:
+        return bool(missing_rows([query], [s], [keys], torch.arange(n), [lse], page=page,
+                                 top=top, threshold=0.2, scale=scale)[0])
+
+    assert not flagged(scores, top=1) and flagged(ranked, top=2)
+    # a page the memory holds is not raised; a shifted row's pages move with it
+    assert torch.equal(with_next_pages(scores.masked_fill(torch.arange(pages) == 4,
+                                                          float("-inf")),
+                                       memory_logits, memory, held, page=page)[0, 0, 4],
+                       torch.tensor(float("-inf")))
+    shifted = with_next_pages(scores, memory_logits, memory, held, page=page,
+                              shift=torch.tensor([1]))
+    assert int(shifted[0, 0].argmax()) == 5  # position 15 + 1 lies in page 4, the next is 5
+
+
 def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():
     model = tiny_model("qwen2")
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))

@@ -197,6 +197,12 @@ class SFIConfig:
     refreshes (reason ``coverage``)."""
     coverage_gap: int = 2
     """Coverage probes: at most one coverage refresh every this many steps."""
+    coverage_next: bool = False
+    """Coverage probes: each also reads, per KV head, the page after the one holding the
+    selected position its fast step attends to most, where the memory holds nothing of that
+    page (beside the ``coverage_top`` pages the bound ranks): a copy that runs past the end of
+    what the memory holds (the first digits of a number held, the rest not) is caught as it
+    leaves it (transformers path)."""
     coverage_retry: bool = False
     """Coverage probes: a fast step whose probes flag a row is done again at once as that
     row's slow step (its token then comes from dense attention and the refresh), instead of

@@ -166,6 +166,36 @@ def page_scores(query: torch.Tensor, boxes: torch.Tensor, outside: torch.Tensor)
     return box_scores(query, boxes).masked_fill(~outside, float("-inf"))
 
 
+def with_next_pages(scores: torch.Tensor, memory_logits: torch.Tensor, memory: torch.Tensor,
+                    held: torch.Tensor, *, page: int, shift: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``scores [n, H, P]`` (:func:`page_scores`) with, per KV head, the page after the one
+    holding its most attended selected position ranked first, where the memory holds nothing
+    of it (its score is finite): a model copying a span attends, step after step, to the
+    position after the one it copied last, so the page after the memory's most attended
+    position is the one a copy runs into when it leaves what the memory holds
+    (``coverage_next``).
+
+    Args:
+        memory_logits: ``[n, H, G, C]`` the fast step's logits over the compact buffer.
+        memory: ``[n, H, C]`` the positions the compact slots hold.
+        held: ``[n, C]`` bool, the slots holding a selected position (not the sinks).
+        shift: ``[n]`` where each row's pages start (None: at position 0).
+    """
+    weight = torch.logsumexp(memory_logits, dim=2).masked_fill(~held[:, None, :],
+                                                               float("-inf"))  # [n, H, C]
+    best = weight.argmax(dim=-1, keepdim=True)  # [n, H, 1]
+    position = memory.gather(-1, best)
+    if shift is not None:
+        position = position + shift[:, None, None]
+    following = (position // page + 1).clamp(max=scores.shape[-1] - 1)  # [n, H, 1]
+    current = scores.gather(-1, following)
+    first = torch.finfo(scores.dtype).max
+    ranked = torch.where(torch.isfinite(current) & torch.isfinite(weight.gather(-1, best)),
+                         torch.full_like(current, first), current)
+    return scores.scatter(-1, following, ranked)
+
+
 def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int | torch.Tensor,
               shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions of the ``top`` best of ``scores [n, H, P]`` (:func:`page_scores`) per KV

@@ -117,8 +117,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
 def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Tensor,
                    compact_bias: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor,
                    recent_bias: torch.Tensor | None, scale: float,
-                   softcap: float | None = None, lse: list[torch.Tensor] | None = None
-                   ) -> torch.Tensor:
+                   softcap: float | None = None, lse: list[torch.Tensor] | None = None,
+                   memory_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
     """One fast step: a single softmax over the compact buffer and the recent window.
 
     Args:
@@ -127,6 +127,8 @@ def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Te
         recent_bias: ``[B, 1, 1, L]`` or None.
         lse: when given, receives the log-sum-exp of the logits ``[B, H, G]`` (the memory's
             total attention weight, for the coverage probes).
+        memory_logits: when given, receives the compact buffer's logits ``[B, H, G, C]``
+            (biased: -inf on unused slots).
     Returns:
         ``[B, H, G, D]``.
     """
@@ -137,6 +139,8 @@ def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Te
     logits = torch.cat([compact, recent], dim=-1)
     if lse is not None:
         lse.append(torch.logsumexp(logits, dim=-1))
+    if memory_logits is not None:
+        memory_logits.append(compact)
     p = torch.softmax(logits, dim=-1).to(recent_v.dtype)
     width = compact.shape[-1]
     return torch.matmul(p[..., :width], compact_v) + torch.matmul(p[..., width:], recent_v)

@@ -26,7 +26,7 @@ import torch
 
 from sfi.attention import AttendingLayer
 from sfi.context import StepContext
-from sfi.coverage import page_scores, unheld_pages
+from sfi.coverage import page_scores, unheld_pages, with_next_pages
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh, StagedCompact
 from sfi.plan import BLOCK_PHASES, Probe, SlowRows, StepPlan
@@ -163,13 +163,14 @@ class SlowFastAttention(AttendingLayer):
             self.store.ensure_compact(width)
             probes = plan.probes_at(self.layer_idx)
             lse: list[torch.Tensor] | None = [] if probes else None
+            logits = [] if any(p.next_page for p in probes) else None
             store = self.store
             o = fast_attention(rows.take(q),
                                rows.take(store.compact_keys[:, :, :width]),
                                rows.take(store.compact_values[:, :, :width]), fast.compact_bias,
                                rows.take(keys[:, :, fast.read_start:]),
                                rows.take(values[:, :, fast.read_start:]), fast.recent_bias,
-                               scale, softcap, lse)
+                               scale, softcap, lse, logits)
             rows.put(out, o)
             if rebuilding is not None:
                 lagging = rows.intersect(rebuilding)
@@ -179,16 +180,18 @@ class SlowFastAttention(AttendingLayer):
             if forced:
                 dense(rows.intersect(Rows(forced, len(plan.kinds), q.device)))
             for probe in probes:
-                self._probe_coverage(step, plan, probe, q, lse[0], scale, softcap)
+                self._probe_coverage(step, plan, probe, q, lse[0], scale, softcap,
+                                     logits[0] if logits else None)
         return out
 
     def _probe_coverage(self, step: StepContext, plan: StepPlan, probe: Probe,
                         q: torch.Tensor, fast_lse: torch.Tensor, scale: float,
-                        softcap: float | None) -> None:
+                        softcap: float | None, fast_logits: torch.Tensor | None) -> None:
         """Score the pages outside the probe's rows' fast memories for ``step.coverage``, which
         checks every probe layer of the step together when it ends and flags the rows whose
         memory misses attention mass (``sfi.coverage``): they refresh at their next step.
-        ``fast_lse [n_fast, H, G]``: the fast rows' memory log-sum-exp."""
+        ``fast_lse [n_fast, H, G]``: the fast rows' memory log-sum-exp; ``fast_logits
+        [n_fast, H, G, C]``: their logits over the compact buffer (for ``probe.next_page``)."""
         target = probe.target
         rows = target.rows
         boxes = self.store.page_boxes(probe.page, probe.shift, probe.aligned, target.reach)
@@ -196,10 +199,15 @@ class SlowFastAttention(AttendingLayer):
         shift = rows.take(probe.shift) if probe.shift is not None else None
         query = rows.take(q)
         outside = self._unheld_pages(probe, memory, shift, boxes.shape[2])
+        scores = page_scores(query, rows.take(boxes), outside)
+        top = probe.top
+        if probe.next_page:
+            scores = with_next_pages(scores, fast_logits.index_select(0, target.fast_index),
+                                     memory, target.held, page=probe.page, shift=shift)
+            top += 1
         step.coverage.add(
-            rows.indices, rows.index, query,
-            page_scores(query, rows.take(boxes), outside), self.store.keys,
-            fast_lse.index_select(0, target.fast_index), page=probe.page, top=probe.top,
+            rows.indices, rows.index, query, scores, self.store.keys,
+            fast_lse.index_select(0, target.fast_index), page=probe.page, top=top,
             threshold=probe.threshold, scale=scale, softcap=softcap, shift=shift,
             aligned=probe.aligned)
 

@@ -110,7 +110,8 @@ class Probe:
     many of the best pages outside the memory it reads, and the attention share above which a
     row refreshes (``sfi.coverage``). ``shift [B]``: where every row's pages start
     (``sfi.pages.page_shift``; None: at position 0); ``aligned`` the same as Python ints, a key
-    for what the layers keep between steps."""
+    for what the layers keep between steps; ``next_page``: also read the page after the most
+    attended selected position (``coverage_next``)."""
 
     layer: int
     page: int
@@ -119,6 +120,7 @@ class Probe:
     target: ProbedRows
     shift: torch.Tensor | None = None
     aligned: tuple[int, ...] | None = None
+    next_page: bool = False
 
 
 @dataclass(frozen=True)

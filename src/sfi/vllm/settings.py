@@ -16,6 +16,8 @@ DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries 
 EXACT_FIELDS = ("draft_tokens", "draft_min", "draft_max", "draft_fallback")  # sfi.exact's
 #: fields whose behaviour is the transformers path's alone: a step, or positions, run again
 REDO_FIELDS = ("coverage_retry", "repair_tokens")
+#: fields the plugin's coverage probes do not implement
+PROBE_FIELDS = ("coverage_next",)
 
 
 def parse_config(spec: str) -> SFIConfig:
@@ -50,16 +52,21 @@ def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
                              "vLLM plugin does not run (exact mode is sfi.generate's and "
                              "sfi generate's)")
     config = SFIConfig.from_preset(preset, **overrides)
-    refuse_redo(config, where=f"{ENV}: ")
+    refuse_transformers_only(config, where=f"{ENV}: ")
     return config, slots
 
 
-def refuse_redo(config: SFIConfig, where: str = "") -> None:
-    """Refuse, naming it, a field of :data:`REDO_FIELDS` that ``config`` turns on."""
+def refuse_transformers_only(config: SFIConfig, where: str = "") -> None:
+    """Refuse, naming it, a field of :data:`REDO_FIELDS` or :data:`PROBE_FIELDS` that
+    ``config`` turns on (the transformers path's alone)."""
     redo = [name for name in REDO_FIELDS if getattr(config, name)]
     if redo:
         raise SFIConfigError(f"{where}{', '.join(redo)} runs a step or positions again, which "
                              "the vLLM plugin does not (vLLM schedules each step once)")
+    probe = [name for name in PROBE_FIELDS if getattr(config, name)]
+    if probe:
+        raise SFIConfigError(f"{where}{', '.join(probe)} is a probe of the transformers path "
+                             "that the vLLM plugin's coverage probes do not run")
 
 
 @dataclass
@@ -107,5 +114,5 @@ def configure(config: SFIConfig | None, slots: int | None = None) -> None:
     if slots is not None and slots < 1:
         raise SFIConfigError(f"slots must be >= 1, got {slots}")
     if config is not None:
-        refuse_redo(config)
+        refuse_transformers_only(config)
     _STATE.config, _STATE.slots, _STATE.book = config, slots, None
