@@ -331,7 +331,8 @@ def test_a_memory_missing_a_heavy_page_is_flagged():
 
 def test_the_page_after_the_most_attended_selected_position_is_read_first():
     """``coverage_next``: a copy that runs past the held page is caught by reading the page
-    after it, which the page bound alone ranks below a page of wide keys."""
+    after it, which the page bound alone ranks below pages of wide keys; where no page is
+    raised, the probe reads the ``top`` pages the bound ranks, no more."""
     from sfi.coverage import missing_rows, page_scores, unheld_pages, with_next_pages
     from sfi.pages import page_bounds, page_boxes
 
@@ -342,9 +343,10 @@ def test_the_page_after_the_most_attended_selected_position_is_read_first():
     wanted = query[0, 0].sum(0)
     keys[0, 0, 15] = wanted * 2  # the copy's source now: the last position of held page 3
     keys[0, 0, 16] = wanted * 2  # where it goes next: page 4, held by nothing
-    eye = torch.eye(d) * 8
-    keys[0, 0, 24:28] = torch.cat([eye[:2], -eye[:2]])  # page 6: a wide box, low logits
-    keys[0, 0, 28:32] = torch.cat([eye[2:4], -eye[2:4]])  # page 7 too
+    for first in (24, 28):  # pages 6 and 7: wide boxes, low logits
+        signs = torch.randint(0, 2, (d,), generator=g) * 2.0 - 1
+        keys[0, 0, first: first + 4] = torch.stack([signs, -signs, signs.roll(1),
+                                                    -signs.roll(1)]) * 4
     keys[0, 0, 0] = wanted * 2.2  # the sink: the most attended slot, never a copy's source
     memory = torch.tensor([[[0, 12, 13, 14, 15]]])  # a sink, then held page 3
     held = torch.tensor([[False, True, True, True, True]])
@@ -355,23 +357,28 @@ def test_the_page_after_the_most_attended_selected_position_is_read_first():
     lse = torch.logsumexp(torch.cat([memory_logits, recent], -1), dim=-1)
     outside = unheld_pages(memory, held, lo, hi, pages=pages, page=page)
     scores = page_scores(query, page_boxes(*page_bounds(keys, page)), outside)
-    assert int(scores[0, 0].argmax()) in (6, 7)  # the bound prefers the wide pages
-    ranked = with_next_pages(scores, memory_logits, memory, held, page=page)
-    assert int(ranked[0, 0].argmax()) == 4
-    assert torch.equal(ranked[..., :4], scores[..., :4])  # nothing else moves
+    assert sorted(scores[0, 0].topk(2).indices.tolist()) == [6, 7]  # the bound's choice
+    ranked, raised = with_next_pages(scores, memory_logits, memory, held, page=page)
+    assert int(ranked[0, 0].argmax()) == 4 and raised.tolist() == [[True]]
+    others = torch.arange(pages) != 4
+    assert torch.equal(ranked[..., others], scores[..., others])  # nothing else moves
 
-    def flagged(s: torch.Tensor, top: int) -> bool:
+    def flagged(s: torch.Tensor, top: int, up: torch.Tensor | None = None) -> bool:
         return bool(missing_rows([query], [s], [keys], torch.arange(n), [lse], page=page,
-                                 top=top, threshold=0.2, scale=scale)[0])
+                                 top=top, threshold=0.2, scale=scale,
+                                 raised=None if up is None else [up])[0])
 
-    assert not flagged(scores, top=1) and flagged(ranked, top=2)
-    # a page the memory holds is not raised; a shifted row's pages move with it
-    assert torch.equal(with_next_pages(scores.masked_fill(torch.arange(pages) == 4,
-                                                          float("-inf")),
-                                       memory_logits, memory, held, page=page)[0, 0, 4],
-                       torch.tensor(float("-inf")))
-    shifted = with_next_pages(scores, memory_logits, memory, held, page=page,
-                              shift=torch.tensor([1]))
+    assert not flagged(scores, top=2) and flagged(scores, top=3)  # page 4 ranks third
+    assert flagged(ranked, top=3, up=raised)
+    assert not flagged(scores, top=3, up=torch.tensor([[False]]))  # not raised: 2 read
+    # a page the memory holds is not raised, nor is any where no selected slot is held
+    held_next = scores.masked_fill(torch.arange(pages) == 4, float("-inf"))
+    kept, up = with_next_pages(held_next, memory_logits, memory, held, page=page)
+    assert torch.equal(kept, held_next) and not up.any()
+    kept, up = with_next_pages(scores, memory_logits, memory, torch.zeros_like(held), page=page)
+    assert torch.equal(kept, scores) and not up.any()
+    shifted, _ = with_next_pages(scores, memory_logits, memory, held, page=page,
+                                 shift=torch.tensor([1]))
     assert int(shifted[0, 0].argmax()) == 5  # position 15 + 1 lies in page 4, the next is 5
 
 

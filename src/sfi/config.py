@@ -243,7 +243,8 @@ class SFIConfig:
         _require_int("evidence_window", self.evidence_window, 1)
         _require_int("min_skip", self.min_skip, 0)
         _require_float("min_gain", self.min_gain, 1.0)
-        for name in ("force_sparse", "overlap_selection", "draft_fallback", "coverage_retry"):
+        for name in ("force_sparse", "overlap_selection", "draft_fallback", "coverage_retry",
+                     "coverage_next"):
             if not isinstance(getattr(self, name), bool):
                 raise SFIConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.trigger not in TRIGGER_POLICIES:

@@ -12,7 +12,10 @@ KV head), reads the keys of the ``top`` best of them, and compares their attenti
 the memory's (the log-sum-exp of the fast step's own logits): when, for some KV head, those
 pages would take more than ``threshold`` of the attention (averaged over its query heads), the
 memory misses mass the query wants, and the row refreshes at its next step. A probe reads the
-page summaries, O(T / P), and ``top`` pages; a dense step reads O(T) at every layer.
+page summaries, O(T / P), and ``top`` pages; a dense step reads O(T) at every layer. With
+``coverage_next`` a probe also reads, per KV head, the page after the one holding the fast
+step's most attended selected position (:func:`with_next_pages`), where a copied span goes
+on when it runs past what the memory holds.
 
 Shapes: n rows, H KV heads, G query heads per KV head, P pages, D head size, C compact slots.
 """
@@ -51,7 +54,8 @@ def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor]
                  keys: Sequence[torch.Tensor], rows: torch.Tensor,
                  lse: Sequence[torch.Tensor], *, page: int, top: int, threshold: float,
                  scale: float, softcap: float | None = None,
-                 shift: torch.Tensor | None = None) -> torch.Tensor:
+                 shift: torch.Tensor | None = None,
+                 raised: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """``[n]`` bool: rows whose fast memory misses attention mass at some of L probe layers
     (see the module docstring), the layers checked together.
 
@@ -64,11 +68,17 @@ def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor]
             memory.
         shift: ``[n]`` where each row's pages start (:func:`sfi.pages.page_shift`; None: at
             position 0).
+        raised: L tensors ``[n, H]``, where :func:`with_next_pages` ranked a next page first
+            (None: none did): ``top`` counts that page, and where none was raised the last of
+            the ``top`` pages is not read.
     """
     layers, n = len(queries), rows.shape[0]
     shifts = shift.repeat(layers) if shift is not None else None
     positions, real = top_pages(torch.cat(list(scores)), page=page, top=top,
                                 length=keys[0].shape[-2], shift=shifts)  # [L * n, H, m * P]
+    if raised is not None:
+        real = real.clone()
+        real[..., -page:] &= torch.cat(list(raised))[..., None]
     heads = torch.arange(keys[0].shape[1], device=rows.device)[None, :, None]
     chosen = torch.cat([layer_keys[rows[:, None, None], heads, positions[i * n:(i + 1) * n]]
                         for i, layer_keys in enumerate(keys)])  # [L * n, H, m * P, D]
@@ -90,10 +100,12 @@ class _ProbeGroup:
     threshold: float
     scale: float
     softcap: float | None
+    raising: bool
     queries: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
     keys: list[torch.Tensor] = field(default_factory=list)
     lse: list[torch.Tensor] = field(default_factory=list)
+    raised: list[torch.Tensor] = field(default_factory=list)
 
 
 class CoverageChecks:
@@ -112,21 +124,25 @@ class CoverageChecks:
     def add(self, rows: tuple[int, ...], index: torch.Tensor, query: torch.Tensor,
             scores: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
             threshold: float, scale: float, softcap: float | None,
-            shift: torch.Tensor | None = None, aligned: tuple[int, ...] | None = None) -> None:
+            shift: torch.Tensor | None = None, aligned: tuple[int, ...] | None = None,
+            raised: torch.Tensor | None = None) -> None:
         """One probe layer's evidence: ``rows`` (``index [n]`` on the device) with their
         ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the layer's
         ``keys [B, H, T, D]`` and fast ``lse [n, H, G]``; ``shift [n]`` where their pages
-        start, ``aligned`` the same as Python ints (None: at position 0)."""
+        start, ``aligned`` the same as Python ints (None: at position 0); ``raised [n, H]``
+        where :func:`with_next_pages` ranked a page first (``top`` counting it)."""
         key = (rows, page, top, threshold, scale, softcap, aligned, tuple(query.shape),
-               tuple(scores.shape), tuple(keys.shape[1:]))
+               tuple(scores.shape), tuple(keys.shape[1:]), raised is not None)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _ProbeGroup(rows, index, shift, page, top, threshold,
-                                                    scale, softcap)
+                                                    scale, softcap, raised is not None)
         group.queries.append(query)
         group.scores.append(scores)
         group.keys.append(keys)
         group.lse.append(lse)
+        if raised is not None:
+            group.raised.append(raised)
 
     def missing(self) -> set[int]:
         """The rows some probe layer found their memory missing mass for (and forget them)."""
@@ -134,7 +150,8 @@ class CoverageChecks:
         for g in self._groups.values():
             missed = missing_rows(g.queries, g.scores, g.keys, g.index, g.lse, page=g.page,
                                   top=g.top, threshold=g.threshold, scale=g.scale,
-                                  softcap=g.softcap, shift=g.shift)
+                                  softcap=g.softcap, shift=g.shift,
+                                  raised=g.raised if g.raising else None)
             flagged.update(r for r, miss in zip(g.rows, missed.tolist()) if miss)
         self._groups.clear()
         return flagged
@@ -168,13 +185,13 @@ def page_scores(query: torch.Tensor, boxes: torch.Tensor, outside: torch.Tensor)
 
 def with_next_pages(scores: torch.Tensor, memory_logits: torch.Tensor, memory: torch.Tensor,
                     held: torch.Tensor, *, page: int, shift: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores [n, H, P]`` (:func:`page_scores`) with, per KV head, the page after the one
     holding its most attended selected position ranked first, where the memory holds nothing
-    of it (its score is finite): a model copying a span attends, step after step, to the
-    position after the one it copied last, so the page after the memory's most attended
-    position is the one a copy runs into when it leaves what the memory holds
-    (``coverage_next``).
+    of it (its score is finite), and ``[n, H]`` bool where that was so: a model copying a
+    span attends, step after step, to the position after the one it copied last, so the page
+    after the memory's most attended position is the one a copy runs into when it leaves what
+    the memory holds (``coverage_next``).
 
     Args:
         memory_logits: ``[n, H, G, C]`` the fast step's logits over the compact buffer.
@@ -191,9 +208,9 @@ def with_next_pages(scores: torch.Tensor, memory_logits: torch.Tensor, memory: t
     following = (position // page + 1).clamp(max=scores.shape[-1] - 1)  # [n, H, 1]
     current = scores.gather(-1, following)
     first = torch.finfo(scores.dtype).max
-    ranked = torch.where(torch.isfinite(current) & torch.isfinite(weight.gather(-1, best)),
-                         torch.full_like(current, first), current)
-    return scores.scatter(-1, following, ranked)
+    raised = torch.isfinite(current) & torch.isfinite(weight.gather(-1, best))  # [n, H, 1]
+    ranked = torch.where(raised, torch.full_like(current, first), current)
+    return scores.scatter(-1, following, ranked), raised[..., 0]
 
 
 def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int | torch.Tensor,

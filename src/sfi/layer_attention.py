@@ -163,7 +163,8 @@ class SlowFastAttention(AttendingLayer):
             self.store.ensure_compact(width)
             probes = plan.probes_at(self.layer_idx)
             lse: list[torch.Tensor] | None = [] if probes else None
-            logits = [] if any(p.next_page for p in probes) else None
+            logits: list[torch.Tensor] | None = (
+                [] if any(p.next_page for p in probes) else None)
             store = self.store
             o = fast_attention(rows.take(q),
                                rows.take(store.compact_keys[:, :, :width]),
@@ -200,16 +201,16 @@ class SlowFastAttention(AttendingLayer):
         query = rows.take(q)
         outside = self._unheld_pages(probe, memory, shift, boxes.shape[2])
         scores = page_scores(query, rows.take(boxes), outside)
-        top = probe.top
+        raised = None
         if probe.next_page:
-            scores = with_next_pages(scores, fast_logits.index_select(0, target.fast_index),
-                                     memory, target.held, page=probe.page, shift=shift)
-            top += 1
+            scores, raised = with_next_pages(
+                scores, fast_logits.index_select(0, target.fast_index), memory, target.held,
+                page=probe.page, shift=shift)
         step.coverage.add(
             rows.indices, rows.index, query, scores, self.store.keys,
-            fast_lse.index_select(0, target.fast_index), page=probe.page, top=top,
-            threshold=probe.threshold, scale=scale, softcap=softcap, shift=shift,
-            aligned=probe.aligned)
+            fast_lse.index_select(0, target.fast_index), page=probe.page,
+            top=probe.top + (raised is not None), threshold=probe.threshold, scale=scale,
+            softcap=softcap, shift=shift, aligned=probe.aligned, raised=raised)
 
     def _unheld_pages(self, probe: Probe, memory: torch.Tensor, shift: torch.Tensor | None,
                       pages: int) -> torch.Tensor:
