@@ -196,18 +196,19 @@ def diagnose_cmd(
             raise SFIError(f"diagnose takes SFI methods; {name!r} is not one")
     check_depth(task, depth, "--depth")  # (before the model loads; make_sample checks too)
     budget_tokens(budget, context)
-    loaded_model, tokenizer = load_model(model, as_json, weights=one_format(weights),
-                                         compile=compile)
+    weights = one_format(weights)
+    loaded_model, tokenizer = load_model(model, as_json, weights=weights, compile=compile)
     sample = make_sample(task, tokenizer, context, seed, depth=depth)
     with err.status("diagnosing") if not as_json else contextlib.nullcontext():
         result = diagnose(loaded_model, tokenizer, sample, seed, method_list, budget,
                           store=prefill_cache)
     if as_json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "weights": weights}))
         return
     where = f" at depth {sample.depths[0]:g}" if task in DEPTH_TASKS else ""
-    err.print(f"{task} seed {seed}{where}, {sample.context} tokens; answers {result.answers} at "
-              f"{result.positions}; full attention says {result.full_output!r}")
+    err.print(f"{task} seed {seed}{where}, {sample.context} tokens, {weights} weights; answers "
+              f"{result.answers} at {result.positions}; full attention says "
+              f"{result.full_output!r}")
     order = ("evidence", "pooled", "fused", "nms", "exclusive", "score", "selected")
     seen = {s for m in result.methods for s in m.token_coverage}
     stages = [s for s in order if s in seen]
@@ -247,8 +248,8 @@ def report_cmd(
 ) -> None:
     """Merge several sfi eval --out runs of one model into one report.
 
-    A later run's row replaces an earlier one for the same task, context, sample, method and
-    budget."""
+    A later run's row replaces an earlier one for the same task, context, sample, method,
+    budget and weights."""
     from sfi.eval.figures import write_report
     from sfi.eval.report import merge_results
 

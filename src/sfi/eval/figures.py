@@ -39,11 +39,12 @@ def plot_score_vs_budget(result: Row, folder: Path) -> str | None:
     colours = plt.get_cmap("tab20").colors
     markers = "os^Dv<>pP*Xh"
     for i, ((method, weights, context), points) in enumerate(sorted(lines.items())):
-        name = short_label(method) + ("" if weights == "native" else f" {weights}")
+        name = short_label(method) + ("" if weights == "native" else f" ({weights})")
         name = f"{name} ({context})" if len(result["contexts"]) > 1 else name
         points.sort()
         if method == "full":
-            ax.axhline(points[0][1], color="black", linestyle="--", linewidth=1, label=name)
+            ax.axhline(points[0][1], color="black", linewidth=1, label=name,
+                       linestyle="--" if weights == "native" else ":")
             continue
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker=markers[i % len(markers)], label=name,

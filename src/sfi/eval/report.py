@@ -44,7 +44,7 @@ def _with_weights(name: str, weights: str) -> str:
 
 
 def summarize(rows: list[Row]) -> list[Row]:
-    """One entry per (context, method, budget): mean score per task, the average over the
+    """One entry per (context, method, budget, weights): mean score per task, the average over the
     retrieval tasks, mean measured retention, the fidelity metrics when that task ran, the
     generation metrics when one of those ran, and exact mode's mean acceptance of its
     drafts."""
@@ -267,8 +267,8 @@ def markdown(result: Row, plots: list[str]) -> str:
              "recalled in the asked order; fidelity's score is top-1 agreement with full "
              "attention). Retention is the measured mean fraction of the context each decode step "
              "read. Intervals are 95% percentile bootstraps over the samples (resampled within "
-             "each task); `vs full` is the paired difference to full attention on the same "
-             "samples.", "",
+             "each task); `vs full` is the paired difference to full attention with the same "
+             "weights on the same samples.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
     generated = [e for e in result["summary"] if "generation" in e]
