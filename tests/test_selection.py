@@ -369,8 +369,8 @@ def test_the_page_after_the_most_attended_selected_position_is_read_first():
                                  raised=None if up is None else [up])[0])
 
     assert not flagged(scores, top=2) and flagged(scores, top=3)  # page 4 ranks third
-    assert flagged(ranked, top=3, up=raised)
-    assert not flagged(scores, top=3, up=torch.tensor([[False]]))  # not raised: 2 read
+    assert flagged(ranked, top=2, up=raised)  # the raised page, read beside the bound's 2
+    assert not flagged(scores, top=2, up=torch.tensor([[False]]))  # not raised: 2 read
     # a page the memory holds is not raised, nor is any where no selected slot is held
     held_next = scores.masked_fill(torch.arange(pages) == 4, float("-inf"))
     kept, up = with_next_pages(held_next, memory_logits, memory, held, page=page)

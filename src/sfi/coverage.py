@@ -69,14 +69,15 @@ def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor]
         shift: ``[n]`` where each row's pages start (:func:`sfi.pages.page_shift`; None: at
             position 0).
         raised: L tensors ``[n, H]``, where :func:`with_next_pages` ranked a next page first
-            (None: none did): ``top`` counts that page, and where none was raised the last of
-            the ``top`` pages is not read.
+            (None: the scores are the bound's alone): that page is read beside the ``top``
+            best by the bound.
     """
     layers, n = len(queries), rows.shape[0]
     shifts = shift.repeat(layers) if shift is not None else None
-    positions, real = top_pages(torch.cat(list(scores)), page=page, top=top,
-                                length=keys[0].shape[-2], shift=shifts)  # [L * n, H, m * P]
-    if raised is not None:
+    positions, real = top_pages(torch.cat(list(scores)), page=page,
+                                top=top + (raised is not None), length=keys[0].shape[-2],
+                                shift=shifts)  # [L * n, H, m * P]
+    if raised is not None:  # no page raised: the last of the top + 1 is not read
         real = real.clone()
         real[..., -page:] &= torch.cat(list(raised))[..., None]
     heads = torch.arange(keys[0].shape[1], device=rows.device)[None, :, None]
@@ -100,7 +101,6 @@ class _ProbeGroup:
     threshold: float
     scale: float
     softcap: float | None
-    raising: bool
     queries: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
     keys: list[torch.Tensor] = field(default_factory=list)
@@ -130,13 +130,13 @@ class CoverageChecks:
         ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the layer's
         ``keys [B, H, T, D]`` and fast ``lse [n, H, G]``; ``shift [n]`` where their pages
         start, ``aligned`` the same as Python ints (None: at position 0); ``raised [n, H]``
-        where :func:`with_next_pages` ranked a page first (``top`` counting it)."""
+        where :func:`with_next_pages` ranked a page first (read beside the ``top``)."""
         key = (rows, page, top, threshold, scale, softcap, aligned, tuple(query.shape),
                tuple(scores.shape), tuple(keys.shape[1:]), raised is not None)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _ProbeGroup(rows, index, shift, page, top, threshold,
-                                                    scale, softcap, raised is not None)
+                                                    scale, softcap)
         group.queries.append(query)
         group.scores.append(scores)
         group.keys.append(keys)
@@ -151,7 +151,7 @@ class CoverageChecks:
             missed = missing_rows(g.queries, g.scores, g.keys, g.index, g.lse, page=g.page,
                                   top=g.top, threshold=g.threshold, scale=g.scale,
                                   softcap=g.softcap, shift=g.shift,
-                                  raised=g.raised if g.raising else None)
+                                  raised=g.raised or None)
             flagged.update(r for r, miss in zip(g.rows, missed.tolist()) if miss)
         self._groups.clear()
         return flagged

@@ -208,9 +208,9 @@ class SlowFastAttention(AttendingLayer):
                 page=probe.page, shift=shift)
         step.coverage.add(
             rows.indices, rows.index, query, scores, self.store.keys,
-            fast_lse.index_select(0, target.fast_index), page=probe.page,
-            top=probe.top + (raised is not None), threshold=probe.threshold, scale=scale,
-            softcap=softcap, shift=shift, aligned=probe.aligned, raised=raised)
+            fast_lse.index_select(0, target.fast_index), page=probe.page, top=probe.top,
+            threshold=probe.threshold, scale=scale, softcap=softcap, shift=shift,
+            aligned=probe.aligned, raised=raised)
 
     def _unheld_pages(self, probe: Probe, memory: torch.Tensor, shift: torch.Tensor | None,
                       pages: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ def plot_score_vs_budget(result: Row, folder: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(11, 5))
     lines: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for e in summary:
-        lines[(e["method"], e.get("weights", "native"), e["context"])].append(
+        lines[(e["method"], e["weights"], e["context"])].append(
             (100 * e["retention"], e["average"]))
     colours = plt.get_cmap("tab20").colors
     markers = "os^Dv<>pP*Xh"

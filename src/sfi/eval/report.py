@@ -204,8 +204,8 @@ def _table_order(entry: Row) -> tuple:
     """Full attention first, then SFI and its variants, then the baselines; budgets rising."""
     method = entry["method"]
     family = 0 if method.startswith("full") else 1 if method.startswith("sfi") else 2
-    return (entry["context"], entry.get("weights", "native") != "native",
-            entry.get("weights", "native"), family, method, entry["budget"])
+    return (entry["context"], entry["weights"] != "native", entry["weights"], family, method,
+            entry["budget"])
 
 
 def tasks_of(summary: list[Row]) -> list[str]:
@@ -251,7 +251,7 @@ def _interval3(bounds: list[float] | None) -> str:
 
 def _formats(summary: list[Row]) -> list[str]:
     """The weight formats of a summary's entries, native first (native where there is none)."""
-    found = {e.get("weights", "native") for e in summary} or {"native"}
+    found = {e["weights"] for e in summary} or {"native"}
     return sorted(found, key=lambda w: (w != "native", w))
 
 
