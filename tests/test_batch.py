@@ -49,15 +49,16 @@ def test_batched_logits_equal_unbatched_with_different_refresh_steps():
                                        msg=f"row {row} step {step}")
 
 
-@pytest.mark.parametrize("gap, next_page, threshold", [(1, False, 0.4), (2, False, 0.4),
-                                                       (1, True, 0.45)])
-def test_a_step_done_again_for_some_rows_leaves_each_row_as_alone(gap, next_page, threshold):
+@pytest.mark.parametrize("gap, probe, threshold", [
+    (1, {}, 0.4), (2, {}, 0.4), (1, {"coverage_next": True}, 0.45),
+    (1, {"coverage_copy": 0.3}, 0.45)])
+def test_a_step_done_again_for_some_rows_leaves_each_row_as_alone(gap, probe, threshold):
     """coverage_retry runs a step again when a row's probes flag it: the batch's other rows
     (fast, or slow with their refresh done already) give their own logits in that pass, and
     the flagged row what it gives alone; a row flagged before its coverage refresh is due
     (``coverage_gap`` 2) keeps its flag through another row's redo. With ``coverage_next``
-    the padded row's next pages are its own (they flag more: a higher ``threshold`` leaves the
-    rows' steps apart)."""
+    the padded row's next pages are its own, with ``coverage_copy`` its copies (both flag
+    more: a higher ``threshold`` leaves the rows' steps apart)."""
     model = tiny_model("qwen3")
     g = torch.Generator().manual_seed(5)
     long, short = torch.randint(1, 256, (1, 70), generator=g), torch.randint(1, 256, (1, 45),
@@ -65,7 +66,7 @@ def test_a_step_done_again_for_some_rows_leaves_each_row_as_alone(gap, next_page
     ids, mask = _padded(long, short)
     retry = dict(CONFIG, trigger="random", random_period_min=3, random_period_max=8,
                  page_size=4, coverage_layers=2, coverage_threshold=threshold,
-                 coverage_gap=gap, coverage_retry=True, coverage_next=next_page)
+                 coverage_gap=gap, coverage_retry=True, **probe)
     batch = lockstep(model, ids, SFIConfig(**retry), steps=20, attention_mask=mask)
     assert any(k[0] != k[1] for k in batch.kinds)
     reasons = [batch.cache.stats(row).refresh_reasons for row in (0, 1)]

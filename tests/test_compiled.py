@@ -52,6 +52,9 @@ SFI_CASES = {  # (configuration, left padding of the second row)
     # probes that also read the page after the most attended one (coverage_next)
     "sfi-next": (dict(page_size=4, coverage_layers=2, coverage_threshold=0.5, coverage_gap=1,
                       coverage_next=True, trigger="fixed", period=4), 0),
+    # probes that flag a copy about to run past what the memory holds (coverage_copy)
+    "sfi-copy": (dict(page_size=4, coverage_layers=2, coverage_threshold=1.0, coverage_gap=1,
+                      coverage_copy=0.05, trigger="fixed", period=4), 0),
     # repairing slow steps: eager blocks (a row's slow step, the other row fast) between graphs
     "sfi-repair": (dict(coverage_layers=0, trigger="random", random_period_min=2,
                         random_period_max=5, repair_tokens=8), 30),

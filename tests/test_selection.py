@@ -382,6 +382,33 @@ def test_the_page_after_the_most_attended_selected_position_is_read_first():
     assert int(shifted[0, 0].argmax()) == 5  # position 15 + 1 lies in page 4, the next is 5
 
 
+def test_a_copy_about_to_run_past_the_memory_flags_its_row():
+    """``coverage_copy``: a query head that gives most of its attention to a selected position
+    whose next position the memory lacks flags its row; not where the next position is held,
+    lies in the recent window, or the share is below the threshold, nor for a sink."""
+    from sfi.coverage import copy_runs_out
+
+    memory = torch.tensor([[[0, 12, 13, 14, 15]]])  # a sink, then held page 3
+    held = torch.tensor([[False, True, True, True, True]])
+
+    def flags(slot: int, hi: int = 36, share: float = 0.5, strength: float = 6.0) -> bool:
+        logits = torch.zeros(1, 1, 2, 5)
+        logits[0, 0, 1, slot] = strength  # the second query head copies from this slot
+        lse = torch.logsumexp(torch.cat([logits, torch.zeros(1, 1, 2, 4)], -1), dim=-1)
+        return bool(copy_runs_out(logits, lse, memory, held, torch.tensor([hi]),
+                                  share=share)[0])
+
+    assert flags(4)  # position 15: position 16 is in no held page
+    assert not flags(2)  # position 13: 14 is held
+    assert not flags(4, hi=16)  # 16 is the recent window's first position
+    assert not flags(4, share=0.999)  # the head gives less than that
+    assert not flags(4, strength=1.0)  # a share of 0.25: no copy
+    assert not flags(0)  # the sink takes it: sinks are never a copy's source
+    rows = copy_runs_out(torch.zeros(2, 1, 2, 5), torch.zeros(2, 1, 2), memory.expand(2, -1, -1),
+                         held.expand(2, -1), torch.tensor([36, 36]), share=0.5)
+    assert rows.tolist() == [False, False]  # no head attends to one position
+
+
 def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():
     model = tiny_model("qwen2")
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))
@@ -395,6 +422,22 @@ def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():
                                           trigger="bootstrap", coverage_layers=2), steps=8)
     for a, b in zip(full.sfi_logits, full.full_logits):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_copy_flags_reach_the_planner_as_coverage_refreshes():
+    """``coverage_copy`` alone (the pages' threshold out of reach) refreshes rows, counted as
+    ``coverage``; without it the same run has none."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))
+
+    def coverage(copy: float) -> int:
+        config = SFIConfig(sink=2, recent=4, k_head=8, force_sparse=True, trigger="bootstrap",
+                           page_size=4, coverage_layers=2, coverage_gap=2,
+                           coverage_threshold=1.0, coverage_copy=copy)
+        return lockstep(model, ids, config, steps=16).cache.stats().refresh_reasons["coverage"]
+
+    assert coverage(0.0) == 0
+    assert coverage(0.05) >= 1
 
 
 def test_the_page_bound_is_its_definition_and_bounds_every_logit():

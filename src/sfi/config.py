@@ -203,6 +203,11 @@ class SFIConfig:
     page (beside the ``coverage_top`` pages the bound ranks): a copy that runs past the end of
     what the memory holds (the first digits of a number held, the rest not) is caught as it
     leaves it (transformers path)."""
+    coverage_copy: float = 0.0
+    """Coverage probes: a fast step in which a query head of a probe layer gives more than this
+    share of its attention to one selected position whose next position the memory does not
+    hold (a copy about to run past what the memory holds) refreshes at the next step, before
+    the copy needs that position; no page is read for it (0 = off; transformers path)."""
     coverage_retry: bool = False
     """Coverage probes: a fast step whose probes flag a row is done again at once as that
     row's slow step (its token then comes from dense attention and the refresh), instead of
@@ -293,6 +298,7 @@ class SFIConfig:
         _require_int("coverage_layers", self.coverage_layers, 0)
         _require_int("coverage_top", self.coverage_top, 1)
         _require_float("coverage_threshold", self.coverage_threshold, 0.0, 1.0)
+        _require_float("coverage_copy", self.coverage_copy, 0.0, 1.0)
         _require_int("coverage_gap", self.coverage_gap, 1)
         _require_int("draft_min", self.draft_min, 1)
         _require_int("draft_tokens", self.draft_tokens, 1)

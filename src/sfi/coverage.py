@@ -15,13 +15,17 @@ memory misses mass the query wants, and the row refreshes at its next step. A pr
 page summaries, O(T / P), and ``top`` pages; a dense step reads O(T) at every layer. With
 ``coverage_next`` a probe also reads, per KV head, the page after the one holding the fast
 step's most attended selected position (:func:`with_next_pages`), where a copied span goes
-on when it runs past what the memory holds.
+on when it runs past what the memory holds. With ``coverage_copy`` a probe flags, without
+reading anything, a fast step in which a query head gives a large share of its attention to a
+selected position whose next position the memory does not hold (:func:`copy_runs_out`): the
+copy's next step would need what the memory lacks, so that step refreshes instead.
 
 Shapes: n rows, H KV heads, G query heads per KV head, P pages, D head size, C compact slots.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +110,7 @@ class _ProbeGroup:
     keys: list[torch.Tensor] = field(default_factory=list)
     lse: list[torch.Tensor] = field(default_factory=list)
     raised: list[torch.Tensor] = field(default_factory=list)
+    copying: list[torch.Tensor] = field(default_factory=list)
 
 
 class CoverageChecks:
@@ -125,12 +130,14 @@ class CoverageChecks:
             scores: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
             threshold: float, scale: float, softcap: float | None,
             shift: torch.Tensor | None = None, aligned: tuple[int, ...] | None = None,
-            raised: torch.Tensor | None = None) -> None:
+            raised: torch.Tensor | None = None, copying: torch.Tensor | None = None) -> None:
         """One probe layer's evidence: ``rows`` (``index [n]`` on the device) with their
         ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the layer's
         ``keys [B, H, T, D]`` and fast ``lse [n, H, G]``; ``shift [n]`` where their pages
         start, ``aligned`` the same as Python ints (None: at position 0); ``raised [n, H]``
-        where :func:`with_next_pages` ranked a page first (read beside the ``top``)."""
+        where :func:`with_next_pages` ranked a page first (read beside the ``top``);
+        ``copying [n]`` the rows :func:`copy_runs_out` flags (flagged whatever the pages
+        say)."""
         key = (rows, page, top, threshold, scale, softcap, aligned, tuple(query.shape),
                tuple(scores.shape), tuple(keys.shape[1:]), raised is not None)
         group = self._groups.get(key)
@@ -143,6 +150,8 @@ class CoverageChecks:
         group.lse.append(lse)
         if raised is not None:
             group.raised.append(raised)
+        if copying is not None:
+            group.copying.append(copying)
 
     def missing(self) -> set[int]:
         """The rows some probe layer found their memory missing mass for (and forget them)."""
@@ -152,6 +161,8 @@ class CoverageChecks:
                                   top=g.top, threshold=g.threshold, scale=g.scale,
                                   softcap=g.softcap, shift=g.shift,
                                   raised=g.raised or None)
+            if g.copying:
+                missed = missed | torch.stack(g.copying).any(dim=0)
             flagged.update(r for r, miss in zip(g.rows, missed.tolist()) if miss)
         self._groups.clear()
         return flagged
@@ -211,6 +222,31 @@ def with_next_pages(scores: torch.Tensor, memory_logits: torch.Tensor, memory: t
     raised = torch.isfinite(current) & torch.isfinite(weight.gather(-1, best))  # [n, H, 1]
     ranked = torch.where(raised, torch.full_like(current, first), current)
     return scores.scatter(-1, following, ranked), raised[..., 0]
+
+
+def copy_runs_out(memory_logits: torch.Tensor, lse: torch.Tensor, memory: torch.Tensor,
+                  held: torch.Tensor, hi: torch.Tensor, *, share: float) -> torch.Tensor:
+    """``[n]`` bool: rows where some query head gives more than ``share`` of its attention to
+    one selected position whose next position the memory does not hold and lies in the middle
+    region (``coverage_copy``). A model copying a span attends at each step to the source of
+    the token it writes; at the next step it attends to the position after it, which a fast
+    step of this memory cannot see. Flagged now, that step is the row's slow step.
+
+    Args:
+        memory_logits: ``[n, H, G, C]`` the fast step's logits over the compact buffer.
+        lse: ``[n, H, G]`` their log-sum-exp with the recent window's.
+        memory: ``[n, H, C]`` the positions the compact slots hold.
+        held: ``[n, C]`` bool, the slots holding a selected position (not the sinks).
+        hi: ``[n]`` where each row's recent window starts (its middle region's end).
+    """
+    log_share = (memory_logits - lse[..., None]).masked_fill(~held[:, None, None, :],
+                                                             float("-inf"))
+    best = log_share.max(dim=-1)  # [n, H, G]
+    following = memory.gather(-1, best.indices) + 1  # [n, H, G]
+    selected = memory.masked_fill(~held[:, None, :], -1)  # [n, H, C]
+    kept = (selected[:, :, None, :] == following[..., None]).any(dim=-1)  # [n, H, G]
+    runs_out = (best.values > math.log(share)) & ~kept & (following < hi[:, None, None])
+    return runs_out.flatten(1).any(dim=-1)
 
 
 def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int | torch.Tensor,

@@ -26,7 +26,7 @@ import torch
 
 from sfi.attention import AttendingLayer
 from sfi.context import StepContext
-from sfi.coverage import page_scores, unheld_pages, with_next_pages
+from sfi.coverage import copy_runs_out, page_scores, unheld_pages, with_next_pages
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh, StagedCompact
 from sfi.plan import BLOCK_PHASES, Probe, SlowRows, StepPlan
@@ -164,7 +164,7 @@ class SlowFastAttention(AttendingLayer):
             probes = plan.probes_at(self.layer_idx)
             lse: list[torch.Tensor] | None = [] if probes else None
             logits: list[torch.Tensor] | None = (
-                [] if any(p.next_page for p in probes) else None)
+                [] if any(p.next_page or p.copy_share for p in probes) else None)
             store = self.store
             o = fast_attention(rows.take(q),
                                rows.take(store.compact_keys[:, :, :width]),
@@ -192,7 +192,8 @@ class SlowFastAttention(AttendingLayer):
         checks every probe layer of the step together when it ends and flags the rows whose
         memory misses attention mass (``sfi.coverage``): they refresh at their next step.
         ``fast_lse [n_fast, H, G]``: the fast rows' memory log-sum-exp; ``fast_logits
-        [n_fast, H, G, C]``: their logits over the compact buffer (for ``probe.next_page``)."""
+        [n_fast, H, G, C]``: their logits over the compact buffer (for ``probe.next_page`` and
+        ``probe.copy_share``)."""
         target = probe.target
         rows = target.rows
         boxes = self.store.page_boxes(probe.page, probe.shift, probe.aligned, target.reach)
@@ -201,16 +202,20 @@ class SlowFastAttention(AttendingLayer):
         query = rows.take(q)
         outside = self._unheld_pages(probe, memory, shift, boxes.shape[2])
         scores = page_scores(query, rows.take(boxes), outside)
-        raised = None
+        lse = fast_lse.index_select(0, target.fast_index)
+        memory_logits = (fast_logits.index_select(0, target.fast_index)
+                         if fast_logits is not None else None)
+        raised = copying = None
         if probe.next_page:
-            scores, raised = with_next_pages(
-                scores, fast_logits.index_select(0, target.fast_index), memory, target.held,
-                page=probe.page, shift=shift)
+            scores, raised = with_next_pages(scores, memory_logits, memory, target.held,
+                                             page=probe.page, shift=shift)
+        if probe.copy_share:
+            copying = copy_runs_out(memory_logits, lse, memory, target.held, target.hi,
+                                    share=probe.copy_share)
         step.coverage.add(
-            rows.indices, rows.index, query, scores, self.store.keys,
-            fast_lse.index_select(0, target.fast_index), page=probe.page, top=probe.top,
-            threshold=probe.threshold, scale=scale, softcap=softcap, shift=shift,
-            aligned=probe.aligned, raised=raised)
+            rows.indices, rows.index, query, scores, self.store.keys, lse, page=probe.page,
+            top=probe.top, threshold=probe.threshold, scale=scale, softcap=softcap,
+            shift=shift, aligned=probe.aligned, raised=raised, copying=copying)
 
     def _unheld_pages(self, probe: Probe, memory: torch.Tensor, shift: torch.Tensor | None,
                       pages: int) -> torch.Tensor:

@@ -111,7 +111,8 @@ class Probe:
     row refreshes (``sfi.coverage``). ``shift [B]``: where every row's pages start
     (``sfi.pages.page_shift``; None: at position 0); ``aligned`` the same as Python ints, a key
     for what the layers keep between steps; ``next_page``: also read the page after the most
-    attended selected position (``coverage_next``)."""
+    attended selected position (``coverage_next``); ``copy_share``: flag a copy about to run
+    past what the memory holds (``coverage_copy``, 0: off)."""
 
     layer: int
     page: int
@@ -121,6 +122,7 @@ class Probe:
     shift: torch.Tensor | None = None
     aligned: tuple[int, ...] | None = None
     next_page: bool = False
+    copy_share: float = 0.0
 
 
 @dataclass(frozen=True)

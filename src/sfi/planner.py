@@ -166,18 +166,18 @@ class Planner:
     def _probes(self, fast_rows: list[int], width: int, device: torch.device
                 ) -> tuple[Probe, ...]:
         """Which fast rows each probe layer checks, and how."""
-        groups: dict[tuple[int, int, float, bool], list[int]] = {}
+        groups: dict[tuple[int, int, float, bool, float], list[int]] = {}
         for row in fast_rows:
             c = self.sequences[row].config
             # a row already flagged refreshes as soon as its gap allows: probing it again
             # cannot change that
             if c.coverage_layers and not self.sequences[row].coverage_miss:
                 page = probe_page(c)
-                groups.setdefault((page, c.coverage_top, c.coverage_threshold, c.coverage_next),
-                                  []).append(row)
+                groups.setdefault((page, c.coverage_top, c.coverage_threshold, c.coverage_next,
+                                   c.coverage_copy), []).append(row)
         probes = []
         pads = [seq.pad for seq in self.sequences]
-        for (page, top, threshold, next_page), rows in groups.items():
+        for (page, top, threshold, next_page, copy_share), rows in groups.items():
             aligned = tuple(-p % page for p in pads)  # sfi.pages.page_shift, in Python
             aligned = aligned if any(aligned) else None
             shift = torch.tensor(aligned, device=device) if aligned else None
@@ -194,7 +194,7 @@ class Planner:
             c = self.sequences[rows[0]].config
             for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
                 probes.append(Probe(layer, page, top, threshold, target, shift, aligned,
-                                    next_page))
+                                    next_page, copy_share))
         return tuple(probes)
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:
