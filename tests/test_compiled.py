@@ -96,6 +96,8 @@ def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method)
         assert {"slow", "fast"} <= {kind for step in kinds for kind in step}
     if name == "sfi-rows":  # the rows refreshed at different steps
         assert any(len(set(step)) > 1 for step in kinds)
+    if name == "sfi-copy":  # copy flags refresh rows between the period's slow steps
+        assert sum(step.count("slow") for step in kinds) > 2 * (STEPS // 4 + 1)
     # (a later SFI case may run through the graph an earlier one built; sfi-rows's mask makes
     # another)
     assert compiled.compile_seconds > 0 or (name in SFI_CASES and name != "sfi")

@@ -317,8 +317,8 @@ def test_a_memory_missing_a_heavy_page_is_flagged():
             checks.add((0, 1), torch.arange(n), query, scores if last else quiet, keys,
                        lse if last else quiet_lse, page=page, top=2, threshold=threshold,
                        scale=scale, softcap=None)
-        missing = checks.missing()
-        assert checks.missing() == set()  # checked once
+        missing, copying = checks.missing()
+        assert checks.missing() == (set(), set()) and copying == set()  # checked once
         return missing
 
     assert flagged(0.3, layers=1) == {1}
@@ -404,9 +404,45 @@ def test_a_copy_about_to_run_past_the_memory_flags_its_row():
     assert not flags(4, share=0.999)  # the head gives less than that
     assert not flags(4, strength=1.0)  # a share of 0.25: no copy
     assert not flags(0)  # the sink takes it: sinks are never a copy's source
-    rows = copy_runs_out(torch.zeros(2, 1, 2, 5), torch.zeros(2, 1, 2), memory.expand(2, -1, -1),
-                         held.expand(2, -1), torch.tensor([36, 36]), share=0.5)
-    assert rows.tolist() == [False, False]  # no head attends to one position
+    # two rows, two KV heads: only row 1's second head copies from the end of its held run
+    # (row 0's first head copies from position 15 too, but row 0 holds 16 in that head)
+    memories = torch.tensor([[[0, 12, 13, 15, 16], [0, 12, 13, 14, 15]],
+                             [[0, 12, 13, 14, 15], [0, 12, 13, 14, 15]]])
+    logits = torch.zeros(2, 2, 2, 5)
+    logits[0, 0, 0, 3] = logits[1, 1, 1, 4] = logits[1, 0, 0, 2] = 6.0
+    lse = torch.logsumexp(logits, dim=-1)
+    rows = copy_runs_out(logits, lse, memories, held.expand(2, -1), torch.tensor([36, 36]),
+                         share=0.5)
+    assert rows.tolist() == [False, True]
+    assert not copy_runs_out(logits, lse, memories, held.expand(2, -1), torch.tensor([36, 16]),
+                             share=0.5).any()  # row 1's recent window starts at 16
+    assert not copy_runs_out(logits[..., :0], lse, memories[..., :0], held[:, :0].expand(2, -1),
+                             torch.tensor([36, 36]), share=0.5).any()  # no compact slot
+
+
+def test_copy_flags_are_kept_apart_and_never_redo_a_step():
+    """The rows :func:`copy_runs_out` flags come back apart from the pages' misses, and with
+    ``coverage_retry`` a copy flag refreshes the next step, as without it: the step it was
+    raised in was served (its source is held), so it is not done again."""
+    from sfi.coverage import CoverageChecks
+
+    checks = CoverageChecks()
+    h, g, d, t, page = 1, 1, 4, 32, 4
+    scores = torch.full((2, h, t // page), float("-inf"))  # no page to read
+    checks.add((0, 1), torch.arange(2), torch.zeros(2, h, g, d), scores,
+               torch.zeros(2, h, t, d), torch.zeros(2, h, g), page=page, top=1, threshold=0.5,
+               scale=1.0, softcap=None, copying=torch.tensor([False, True]))
+    assert checks.missing() == (set(), {1})
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))
+    copy = dict(sink=2, recent=4, k_head=8, force_sparse=True, trigger="bootstrap", page_size=4,
+                coverage_layers=2, coverage_gap=1, coverage_threshold=1.0, coverage_copy=0.05)
+    once = lockstep(model, ids, SFIConfig(**copy), steps=12)
+    retried = lockstep(model, ids, SFIConfig(**copy, coverage_retry=True), steps=12)
+    assert once.cache.stats().refresh_reasons["coverage"] >= 2
+    assert retried.cache.stats().refresh_reasons == once.cache.stats().refresh_reasons
+    for a, b in zip(once.sfi_logits, retried.sfi_logits):
+        torch.testing.assert_close(a, b)
 
 
 def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():

@@ -205,9 +205,11 @@ class SFIConfig:
     leaves it (transformers path)."""
     coverage_copy: float = 0.0
     """Coverage probes: a fast step in which a query head of a probe layer gives more than this
-    share of its attention to one selected position whose next position the memory does not
-    hold (a copy about to run past what the memory holds) refreshes at the next step, before
-    the copy needs that position; no page is read for it (0 = off; transformers path)."""
+    share of its attention to its most attended selected position, and the memory does not
+    hold the position after it (a copy about to run past what the memory holds), refreshes at
+    the next step (as ``coverage_gap`` allows), before the copy needs that position; no page is
+    read for it, and ``coverage_retry`` does not do the step again for it (0 = off;
+    transformers path)."""
     coverage_retry: bool = False
     """Coverage probes: a fast step whose probes flag a row is done again at once as that
     row's slow step (its token then comes from dense attention and the refresh), instead of

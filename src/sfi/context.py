@@ -32,7 +32,8 @@ class StepContext:
             rebuild was not ready); filled in by the layers while the step runs.
         coverage: the probe layers' page scores, checked together when the forward ends.
         missed: rows whose fast memory a probe layer found missing a page the query bounds
-            highly (``sfi.coverage``): they refresh at their next step.
+            highly, or a copy about to run past it (``sfi.coverage``): they refresh at their
+            next step.
     """
 
     layers: Sequence[Any]

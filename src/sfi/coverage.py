@@ -18,7 +18,8 @@ step's most attended selected position (:func:`with_next_pages`), where a copied
 on when it runs past what the memory holds. With ``coverage_copy`` a probe flags, without
 reading anything, a fast step in which a query head gives a large share of its attention to a
 selected position whose next position the memory does not hold (:func:`copy_runs_out`): the
-copy's next step would need what the memory lacks, so that step refreshes instead.
+copy's next step would need what the memory lacks, so that step refreshes instead (it is
+never done again at once, as ``coverage_retry`` does with a page that misses).
 
 Shapes: n rows, H KV heads, G query heads per KV head, P pages, D head size, C compact slots.
 """
@@ -139,7 +140,8 @@ class CoverageChecks:
         ``copying [n]`` the rows :func:`copy_runs_out` flags (flagged whatever the pages
         say)."""
         key = (rows, page, top, threshold, scale, softcap, aligned, tuple(query.shape),
-               tuple(scores.shape), tuple(keys.shape[1:]), raised is not None)
+               tuple(scores.shape), tuple(keys.shape[1:]), raised is not None,
+               copying is not None)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _ProbeGroup(rows, index, shift, page, top, threshold,
@@ -153,19 +155,22 @@ class CoverageChecks:
         if copying is not None:
             group.copying.append(copying)
 
-    def missing(self) -> set[int]:
-        """The rows some probe layer found their memory missing mass for (and forget them)."""
-        flagged: set[int] = set()
+    def missing(self) -> tuple[set[int], set[int]]:
+        """``(missed, copying)``, and forget them: the rows some probe layer found their
+        memory missing mass for now, and those whose copy is about to run past what it holds
+        (:func:`copy_runs_out`; their step was served, the next one needs more)."""
+        missed: set[int] = set()
+        copying: set[int] = set()
         for g in self._groups.values():
-            missed = missing_rows(g.queries, g.scores, g.keys, g.index, g.lse, page=g.page,
-                                  top=g.top, threshold=g.threshold, scale=g.scale,
-                                  softcap=g.softcap, shift=g.shift,
-                                  raised=g.raised or None)
+            found = missing_rows(g.queries, g.scores, g.keys, g.index, g.lse, page=g.page,
+                                 top=g.top, threshold=g.threshold, scale=g.scale,
+                                 softcap=g.softcap, shift=g.shift, raised=g.raised or None)
+            missed.update(r for r, miss in zip(g.rows, found.tolist()) if miss)
             if g.copying:
-                missed = missed | torch.stack(g.copying).any(dim=0)
-            flagged.update(r for r, miss in zip(g.rows, missed.tolist()) if miss)
+                ahead = torch.stack(g.copying).any(dim=0).tolist()
+                copying.update(r for r, copy in zip(g.rows, ahead) if copy)
         self._groups.clear()
-        return flagged
+        return missed, copying
 
 
 def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -210,6 +215,8 @@ def with_next_pages(scores: torch.Tensor, memory_logits: torch.Tensor, memory: t
         held: ``[n, C]`` bool, the slots holding a selected position (not the sinks).
         shift: ``[n]`` where each row's pages start (None: at position 0).
     """
+    if memory_logits.shape[-1] == 0:  # no compact slot: no most attended position
+        return scores, torch.zeros(scores.shape[:2], dtype=torch.bool, device=scores.device)
     weight = torch.logsumexp(memory_logits, dim=2).masked_fill(~held[:, None, :],
                                                                float("-inf"))  # [n, H, C]
     best = weight.argmax(dim=-1, keepdim=True)  # [n, H, 1]
@@ -227,10 +234,12 @@ def with_next_pages(scores: torch.Tensor, memory_logits: torch.Tensor, memory: t
 def copy_runs_out(memory_logits: torch.Tensor, lse: torch.Tensor, memory: torch.Tensor,
                   held: torch.Tensor, hi: torch.Tensor, *, share: float) -> torch.Tensor:
     """``[n]`` bool: rows where some query head gives more than ``share`` of its attention to
-    one selected position whose next position the memory does not hold and lies in the middle
-    region (``coverage_copy``). A model copying a span attends at each step to the source of
-    the token it writes; at the next step it attends to the position after it, which a fast
-    step of this memory cannot see. Flagged now, that step is the row's slow step.
+    its most attended selected position, and the memory does not hold the position after it,
+    which lies in the middle region (``coverage_copy``). A model copying a span attends at each
+    step to the source of the token it writes; at the next step it attends to the position
+    after it, which a fast step of this memory cannot see. Flagged now, that next step is the
+    row's slow step (as ``coverage_gap`` allows; never this step again, as ``coverage_retry``
+    does for a page that misses now: this step's source is held).
 
     Args:
         memory_logits: ``[n, H, G, C]`` the fast step's logits over the compact buffer.
@@ -239,6 +248,9 @@ def copy_runs_out(memory_logits: torch.Tensor, lse: torch.Tensor, memory: torch.
         held: ``[n, C]`` bool, the slots holding a selected position (not the sinks).
         hi: ``[n]`` where each row's recent window starts (its middle region's end).
     """
+    if memory_logits.shape[-1] == 0:  # no compact slot: nothing selected to copy from
+        return torch.zeros(memory_logits.shape[0], dtype=torch.bool,
+                           device=memory_logits.device)
     log_share = (memory_logits - lse[..., None]).masked_fill(~held[:, None, None, :],
                                                              float("-inf"))
     best = log_share.max(dim=-1)  # [n, H, G]

@@ -153,8 +153,10 @@ class SlowFastCache(WritesInAttention, Cache):
         self.rebuilder.flush()  # the forward's refreshes, stacked over its layers
         for attention in self._attending():
             attention.settle()  # commit what is ready (inside the forward's inference mode)
-        step.missed.update(step.coverage.missing())
+        missed, copying = step.coverage.missing()
+        step.missed.update(missed)
         flagged = self.planner.redo_rows(plan, step.missed) if plan.redo is None else ()
+        step.missed.update(copying)  # the next step needs more; this one was served
         if flagged and self._rewindable():
             for layer in self._sfi_layers():
                 layer.truncate(plan.total_length - plan.query_length)
