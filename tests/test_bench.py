@@ -118,6 +118,24 @@ def test_floor_accounting():
     assert estimate_bytes(model, 100, 2) == kv_bytes_per_entry(model) * 100 * 2 * 3
 
 
+def test_the_floor_decides_sparse_with_the_engines_weights_term():
+    """A sparse row's byte floor counts a fast step's entries only where the engine decodes
+    sparse, which ``min_gain`` decides with the model's weights (W): at a context where the
+    KV alone would pay but W + T does not, the floor is the dense step's."""
+    from sfi.bench.throughput import _floor_ms
+    from sfi.weight_layout import stored_weight_positions
+
+    model = tiny_model("qwen2")
+    w = stored_weight_positions(model)
+    config = SFIConfig(sink=4, recent=8, k_head=16, min_skip=0, min_gain=1.5)
+    short, long = 100, w + 200  # (W + T) >= 1.5 (W + 28) from T = W / 2 + 42 on
+    assert w > 2 * (short - 42) and config.sparse_pays(short) and config.sparse_pays(long, w)
+    assert not config.sparse_pays(short, w)
+    for context, entries in ((short, short), (long, 28)):
+        floor = weight_bytes(model) + kv_bytes_per_entry(model) * entries
+        assert _floor_ms(model, config, context, 1, 1e-3, sparse=True) == round(floor / 1e3, 3)
+
+
 def _tied_tiny_llama(tokenizer):
     model = tiny_model("llama", vocab_size=len(tokenizer))
     model.config.tie_word_embeddings = True

@@ -22,7 +22,6 @@ from sfi.attention import WritesInAttention
 from sfi.cache_layers import attention_of, build_layers, resolve_tokenizer
 from sfi.config import SFIConfig
 from sfi.context import StepContext, current_step
-from sfi.cost_model import weight_positions
 from sfi.decode_stats import DecodeStats
 from sfi.errors import SFIError
 from sfi.hf import RoutingLease
@@ -35,7 +34,7 @@ from sfi.selector import SFISelector
 from sfi.sequence_policy import SLOW, Memory, record_verified
 from sfi.slab import SlabLayer
 from sfi.triggers import make_trigger, token_classes
-from sfi.weight_layout import weight_byte_ratio
+from sfi.weight_layout import stored_weight_positions
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -88,7 +87,7 @@ class SlowFastCache(WritesInAttention, Cache):
         self._trigger_factory = trigger_factory
         self.dense_only = dense_only
         # the cost model's W (SFIConfig.min_gain), at the bytes the weights are stored in
-        self.weight_positions = int(weight_positions(model) * weight_byte_ratio(model))
+        self.weight_positions = stored_weight_positions(model)
         self._layer_ids: tuple[int, ...] = ()
         self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._kinds: tuple[str, ...] = ()

@@ -25,6 +25,7 @@ from functools import cache
 
 import torch
 
+from sfi.cost_model import weight_positions
 from sfi.errors import SFIError
 from sfi.fp16_linear import Fp16Linear, worth_storing
 from sfi.int8_linear import Int8Linear, warn_if_slow
@@ -216,6 +217,14 @@ def _layer_format(linear: torch.nn.Linear, weights: str) -> str:
     if weights == "fp16" and not worth_storing(linear.in_features, linear.out_features):
         return "native"
     return weights
+
+
+def stored_weight_positions(model: torch.nn.Module) -> int:
+    """W of ``SFIConfig.min_gain`` for ``model`` as loaded: its weights in KV positions
+    (:func:`sfi.cost_model.weight_positions`) at the bytes they are stored in
+    (:func:`weight_byte_ratio`); what sfi's engine decides sparse decoding with, and what a
+    benchmark's byte floor must decide it with too."""
+    return int(weight_positions(model) * weight_byte_ratio(model))
 
 
 def weight_byte_ratio(model: torch.nn.Module) -> float:

@@ -44,7 +44,7 @@ from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill, prefix_kv
 from sfi.reduction import ReducedLinear
 from sfi.triggers import COVERAGE
-from sfi.weight_layout import PackedLinear
+from sfi.weight_layout import PackedLinear, stored_weight_positions
 
 MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only", "sfi-exact")
 
@@ -306,8 +306,9 @@ def step_rates(stats: DecodeStats | None) -> tuple[float | None, float | None]:
 
 def _floor_ms(model: torch.nn.Module, config: SFIConfig, context: int, batch: int,
               bandwidth: float, sparse: bool) -> float:
-    """The bytes a step must read (weights + the KV entries it attends) over ``bandwidth``."""
-    sparse = sparse and config.sparse_pays(context)  # below the break-even its steps are dense
+    """The bytes a step must read (weights + the KV entries it attends) over ``bandwidth``;
+    sparse where the engine decodes sparse, with the same weights term (``min_gain``)."""
+    sparse = sparse and config.sparse_pays(context, stored_weight_positions(model))
     entries = config.sink + config.budget(context) + config.recent if sparse else context
     floor = weight_bytes(model) + kv_bytes_per_entry(model) * min(entries, context) * batch
     return round(floor / bandwidth / 1e6, 3)
