@@ -151,3 +151,31 @@ def test_generate_says_why_its_steps_were_dense():
                           stats=DecodeStats(fast_steps=1), timing=Timing(),
                           finish_reason="length", mode="sfi", config=config)
     assert "dense because" not in _summary(fast)
+
+
+def test_both_engines_serve_the_layers_without_a_window():
+    """The layers a fast step's reads are counted over and the probes go to: full-attention
+    layers (and sliding ones without a window); the transformers cache builds its slab layers
+    there, and the vLLM plugin's book places its probes among them."""
+    from types import SimpleNamespace
+
+    from sfi.cache_layers import build_layers
+    from sfi.cost_model import slow_fast_layers
+    from sfi.scorers.registry import make_scorer
+    from sfi.slab import SlabLayer
+    from sfi.vllm.requests import RequestBook, slot_capacity
+
+    kinds = ["sliding_attention", "full_attention"] * 4  # Gemma 2's alternation
+    gemma = SimpleNamespace(num_hidden_layers=8, sliding_window=16, layer_types=kinds)
+    assert slow_fast_layers(gemma) == (1, 3, 5, 7)
+    mistral = SimpleNamespace(num_hidden_layers=3, sliding_window=16)  # every layer slides
+    assert slow_fast_layers(mistral) == ()
+    unbounded = SimpleNamespace(num_hidden_layers=2, sliding_window=None, layer_types=kinds[:2])
+    assert slow_fast_layers(unbounded) == (0, 1)  # sliding without a window: the whole context
+    model = SimpleNamespace(config=gemma)
+    slabs = [i for i, layer in enumerate(build_layers(model, 64)) if isinstance(layer, SlabLayer)]
+    assert slabs == [1, 3, 5, 7]
+    config = SFIConfig(sink=4, recent=16, k_head=32, coverage_layers=2, trigger="fixed")
+    book = RequestBook(config, 2, slot_capacity(config, 256), make_scorer("sfi", config),
+                       layers=slow_fast_layers(gemma))
+    assert book.layers == (1, 3, 5, 7) and set(book.probes) <= {1, 3, 5, 7}

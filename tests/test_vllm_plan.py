@@ -374,7 +374,7 @@ def test_hysteresis_keeps_more_of_the_previous_selection():
 def test_a_coverage_miss_refreshes_after_the_gap_as_in_the_planner():
     config = SFIConfig(**{**SMALL, "coverage_layers": 4, "coverage_gap": 3}, trigger="bootstrap")
     requests = RequestBook(config, 2, slot_capacity(config, 4096), make_scorer("sfi", config),
-                           layers=12)
+                           layers=range(12))
     assert requests.probes == (1, 4, 7, 10)  # spread over the layers, as the planner does
     kinds = run_request(requests, 7, 60, 3)
     assert kinds[-2:] == [SELECT, FAST]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
+from sfi.cost_model import layer_kinds, slow_fast_layers
 from sfi.errors import SFIError, UnsupportedModelError
 from sfi.hf import text_config
 from sfi.layer_attention import SlowFastAttention
@@ -45,17 +46,14 @@ def attention_of(layers: Sequence[CacheLayerMixin]) -> list[SlowFastAttention | 
 
 def build_layers(model: torch.nn.Module, capacity: int) -> list[CacheLayerMixin]:
     """One SlabLayer per full-attention layer; sliding-window layers keep their window."""
-    config = text_config(model)
-    n_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    uniform = "sliding_attention" if window else "full_attention"  # Mistral-style: all sliding
-    layer_types = getattr(config, "layer_types", None) or [uniform] * n_layers
+    window = getattr(text_config(model), "sliding_window", None)
+    served = set(slow_fast_layers(model))
     layers: list[CacheLayerMixin] = []
-    for idx, kind in enumerate(layer_types):
-        if kind == "sliding_attention" and window:
-            layers.append(DynamicSlidingWindowLayer(sliding_window=window))
-        elif kind in ("full_attention", "sliding_attention"):
+    for idx, kind in enumerate(layer_kinds(model)):
+        if idx in served:
             layers.append(SlabLayer(idx, capacity))
+        elif kind == "sliding_attention":
+            layers.append(DynamicSlidingWindowLayer(sliding_window=window))
         else:
             raise UnsupportedModelError(
                 f"layer {idx} of this model is of type {kind!r}; sfi handles attention layers "

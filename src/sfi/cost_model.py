@@ -5,7 +5,8 @@ weighs the KV a fast step skips against everything a step reads, and at batch 1 
 the weights. :func:`weight_positions` counts them in KV positions, from the model's config, so
 that sfi's engine and the vLLM plugin count the same number and decide alike; the shapes it
 reads (:func:`text_config`, :func:`head_dim`, :func:`kv_elements_per_position`) serve the
-benchmarks' byte counts too.
+benchmarks' byte counts too, and :func:`slow_fast_layers` says which layers a fast step's
+reads are counted over.
 """
 
 from __future__ import annotations
@@ -17,6 +18,25 @@ def text_config(model_or_config: Any) -> Any:
     """The text part of a model's config (itself for text-only models)."""
     config = getattr(model_or_config, "config", model_or_config)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_kinds(model_or_config: Any) -> list[str]:
+    """Each layer's attention kind as the config names it (``full_attention``,
+    ``sliding_attention``, ...): its ``layer_types``, or, where it has none, every layer alike,
+    sliding where it sets a ``sliding_window`` (Mistral-style)."""
+    cfg = text_config(model_or_config)
+    uniform = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
+    return list(getattr(cfg, "layer_types", None) or [uniform] * int(cfg.num_hidden_layers))
+
+
+def slow_fast_layers(model_or_config: Any) -> tuple[int, ...]:
+    """The model indices of the layers SFI serves: every full-attention layer, and a sliding
+    one where the config gives no window; a sliding-window layer keeps the model's own
+    attention. Both engines place their coverage probes and count a fast step's reads over
+    these."""
+    window = getattr(text_config(model_or_config), "sliding_window", None)
+    return tuple(i for i, kind in enumerate(layer_kinds(model_or_config))
+                 if kind == "full_attention" or (kind == "sliding_attention" and not window))
 
 
 def head_dim(cfg: Any) -> int:

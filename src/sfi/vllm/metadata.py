@@ -25,7 +25,7 @@ from vllm.distributed import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 
-from sfi.cost_model import weight_positions
+from sfi.cost_model import slow_fast_layers, weight_positions
 from sfi.overlap import StackingRebuilder
 from sfi.scorers.registry import make_scorer
 from sfi.triggers import token_classes
@@ -140,7 +140,7 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
         text = vllm_config.model_config.hf_text_config
         state.book = RequestBook(
             config, active_slots(vllm_config.scheduler_config.max_num_seqs), capacity,
-            make_scorer("sfi", config), classes, text.num_hidden_layers,
+            make_scorer("sfi", config), classes, slow_fast_layers(text),
             weight_positions(text))
     return state.book
 

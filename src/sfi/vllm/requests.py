@@ -147,13 +147,15 @@ class RequestBook:
         capacity: entries per slot (:func:`slot_capacity`).
         scorer: what ranks positions at a refresh.
         classes: the vocabulary's sentence enders and blanks (the sentence trigger needs them).
-        layers: the model's attention layers (where the coverage probes go: :attr:`probes`).
+        layers: the model indices of the layers SFI serves
+            (:func:`sfi.cost_model.slow_fast_layers`): where the coverage probes go
+            (:attr:`probes`) and what a fast step's reads are counted over.
         weight_positions: the model's weights in KV positions, the cost model's W
             (``sfi.cost_model.weight_positions``, ``SFIConfig.min_gain``).
     """
 
     def __init__(self, config: SFIConfig, slots: int, capacity: int, scorer: Scorer,
-                 classes: TokenClasses | None = None, layers: int = 0,
+                 classes: TokenClasses | None = None, layers: Sequence[int] = (),
                  weight_positions: int = 0) -> None:
         if config.trigger == "sentence" and classes is None:
             raise SFIConfigError("the sentence trigger needs the vocabulary's token classes")
@@ -167,8 +169,8 @@ class RequestBook:
         self.free = list(range(slots))[::-1]
         self.used_slots: set[int] = set()
         self.stats = BookStats()
-        self.layers = tuple(range(layers))
-        self.probes = probe_layers(config.coverage_layers, range(layers), config.dense_layers)
+        self.layers = tuple(layers)
+        self.probes = probe_layers(config.coverage_layers, self.layers, config.dense_layers)
         # the probes' misses since the last step's decisions, per slot, where the model runs
         # (a [slots] tensor the glue keeps, so that a probe never waits for the device)
         self.missed: Any = None
