@@ -165,10 +165,12 @@ class CoverageChecks:
             found = missing_rows(g.queries, g.scores, g.keys, g.index, g.lse, page=g.page,
                                  top=g.top, threshold=g.threshold, scale=g.scale,
                                  softcap=g.softcap, shift=g.shift, raised=g.raised or None)
-            missed.update(r for r, miss in zip(g.rows, found.tolist()) if miss)
-            if g.copying:
-                ahead = torch.stack(g.copying).any(dim=0).tolist()
-                copying.update(r for r, copy in zip(g.rows, ahead) if copy)
+            ahead = torch.stack(g.copying).any(dim=0) if g.copying else torch.zeros_like(found)
+            for row, miss, copy in zip(g.rows, *torch.stack([found, ahead]).tolist()):
+                if miss:  # both verdicts reach the host together: one wait per group
+                    missed.add(row)
+                if copy:
+                    copying.add(row)
         self._groups.clear()
         return missed, copying
 
