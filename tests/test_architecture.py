@@ -126,9 +126,10 @@ def third_party_imports(path: Path) -> set[str]:
     return found - {"sfi", "__future__"}
 
 
-@pytest.mark.parametrize("module", ["sequence_policy", "refresh_selection"])
+@pytest.mark.parametrize("module", ["sequence_policy", "refresh_selection", "kernels"])
 def test_the_core_imports_no_engine(module):
-    """No transformers, no vLLM, no torch.nn modules: plain policy and tensor functions."""
+    """No transformers, no vLLM, no torch.nn modules: plain policy and tensor functions (the
+    kernels both engines call included)."""
     path = SRC / "sfi" / f"{module}.py"
     assert not third_party_imports(path) & {"transformers", "vllm"}
     assert "torch.nn" not in path.read_text(encoding="utf-8")

@@ -12,16 +12,29 @@ It imports neither cache: the layers bring their own behaviour (:class:`Attendin
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from sfi.context import StepContext, current_step
-from sfi.kernels import dense_fallback
 
 ATTENTION_NAME = "sfi"
+
+
+def dense_fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
+                   ) -> tuple[torch.Tensor, Any]:
+    """Attention as the model would compute it without sfi: SDPA, or the model's own eager
+    function where SDPA cannot (soft-capped logits, as in Gemma 2)."""
+    if kwargs.get("softcap") is not None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 class AttendingLayer:

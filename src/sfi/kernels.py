@@ -1,15 +1,12 @@
-"""Attention kernels shared by every cache: dense, fast (two-block) and the model's fallback.
+"""Attention kernels shared by every cache and both engines: masks and biases, dense, block and
+fast (two-block) attention. Pure tensor functions: nothing here imports a model library.
 
 Shapes: B sequences, H KV heads, G query heads per KV head, T cache length, D head size.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 
 def additive_bias(allowed: torch.Tensor) -> torch.Tensor:
@@ -32,11 +29,16 @@ def causal_mask(total: int, queries: int, device: torch.device, first_query: int
     may see. Query j (at position ``first_query + j``, by default one of the last ``queries``
     positions) sees the keys up to itself and, with ``pads [B]``, none of its row's padding."""
     start = total - queries if first_query is None else first_query
-    query_pos = torch.arange(start, start + queries, device=device)
-    key_pos = torch.arange(total, device=device)
-    allowed = key_pos[None, None, :] <= query_pos[None, :, None]
-    if pads is not None:
-        allowed = allowed & (key_pos[None, None, :] >= pads[:, None, None])
+    return _sees(torch.arange(start, start + queries, device=device)[None, :], total, pads)
+
+
+def _sees(query_pos: torch.Tensor, total: int, starts: torch.Tensor | None) -> torch.Tensor:
+    """``[n, Q, T]`` bool: each query (at ``query_pos [n or 1, Q]``) sees the keys from its
+    row's ``starts [n]`` (None: 0) up to itself."""
+    key_pos = torch.arange(total, device=query_pos.device)
+    allowed = key_pos[None, None, :] <= query_pos[:, :, None]
+    if starts is not None:
+        allowed = allowed & (key_pos[None, None, :] >= starts[:, None, None])
     return allowed
 
 
@@ -47,12 +49,8 @@ def evidence_bias(ends: torch.Tensor, w: int, total: int, starts: torch.Tensor |
     (``ends [n]``); query j sees the keys from ``starts[b]`` (its first real token; default 0)
     up to itself, and none at all unless it is among the row's own last ``windows[b]``
     queries (default: all W)."""
-    device = ends.device
-    key_pos = torch.arange(total, device=device)
-    query_pos = ends[:, None] - w + torch.arange(w, device=device)[None, :]  # [n, W]
-    allowed = key_pos[None, None, :] <= query_pos[:, :, None]
-    if starts is not None:
-        allowed = allowed & (key_pos[None, None, :] >= starts[:, None, None])
+    query_pos = ends[:, None] - w + torch.arange(w, device=ends.device)[None, :]  # [n, W]
+    allowed = _sees(query_pos, total, starts)
     if windows is not None:
         allowed = allowed & (query_pos >= (ends - windows)[:, None])[:, :, None]
     return additive_bias(allowed)
@@ -144,15 +142,3 @@ def fast_attention(q: torch.Tensor, compact_k: torch.Tensor, compact_v: torch.Te
     p = torch.softmax(logits, dim=-1).to(recent_v.dtype)
     width = compact.shape[-1]
     return torch.matmul(p[..., :width], compact_v) + torch.matmul(p[..., width:], recent_v)
-
-
-def dense_fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
-                   ) -> tuple[torch.Tensor, Any]:
-    """Attention as the model would compute it without sfi: SDPA, or the model's own eager
-    function where SDPA cannot (soft-capped logits, as in Gemma 2)."""
-    if kwargs.get("softcap") is not None:
-        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if eager is not None:
-            return eager(module, query, key, value, attention_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
