@@ -407,3 +407,18 @@ def test_the_plugin_is_inert_without_configuration(monkeypatch):
     register()  # without SFI_VLLM: nothing imported from vLLM, nothing configured
     assert active_config() == before
 
+
+
+def test_a_benchmark_cells_rates_count_only_its_own_requests():
+    """``sfi bench-vllm`` merges the stats of the requests a cell ran: those of an earlier cell
+    that are still in the book (they leave it only when their slot or key is taken) stay out."""
+    from sfi.bench.vllm import cell_stats
+
+    requests = book(SFIConfig(**SMALL, trigger="fixed", period=4), slots=4)
+    run_request(requests, key=1, prompt=60, new_tokens=9)  # an earlier cell: fast and slow
+    earlier = {r.serial for r in requests.requests.values()}
+    run_request(requests, key=2, prompt=20, new_tokens=5)  # this cell: too short, all dense
+    assert 1 in requests.requests  # the earlier request is still in the book
+    own = cell_stats(requests, earlier)
+    assert own.decode_steps == 4 and own.fast_steps == 0
+    assert cell_stats(requests, set()).fast_steps > 0  # what merging the whole book counted

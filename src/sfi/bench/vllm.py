@@ -20,7 +20,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +131,15 @@ def llama_cpp_row(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: 
                      fast_fraction=None)
 
 
+def cell_stats(book: Any, earlier: Collection[int]) -> DecodeStats:
+    """The merged decode statistics of the requests in ``book`` (a
+    :class:`sfi.vllm.requests.RequestBook`) but those whose serial numbers are in ``earlier``
+    (the requests it held before a cell ran): a finished request leaves the book only when its
+    slot or its key is taken again, so an earlier cell's requests may still be there."""
+    return DecodeStats.merge([r.seq.stats for r in book.requests.values()
+                              if r.serial not in earlier])
+
+
 def vllm_row(mode: str, context: int, batch: int, times: list[float],
              fast_fraction: float | None, coverage_rate: float | None = None) -> EngineRow:
     return EngineRow(engine="vllm", mode=mode, context=context, batch=batch,
@@ -184,6 +193,8 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
 
     def time_mode(llm: Any, mode: str, cell: tuple[int, int]) -> None:
         say(f"context {cell[0]}, batch {cell[1]}: {mode}")
+        before = backend.book()
+        earlier = {r.serial for r in before.requests.values()} if before is not None else set()
         times = time_decode(llm, ids[cell].tolist(), new_tokens, warmup)
         rates = (None, None)
         if mode == "vllm+sfi":  # decode steps only (the book counts prompt chunks too)
@@ -191,8 +202,7 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
             if requests is None:
                 raise SFIError("vLLM + SFI ran no SFI step: the engine did not run sfi's "
                                "attention backend")
-            rates = step_rates(DecodeStats.merge([r.seq.stats
-                                                  for r in requests.requests.values()]))
+            rates = step_rates(cell_stats(requests, earlier))
         record(cell, vllm_row(mode, *cell, times, *rates))
 
     engine = dict(max_model_len=longest, max_num_seqs=max(batches), kv_bytes=kv_bytes,
