@@ -139,3 +139,38 @@ def test_a_step_whose_refreshes_were_never_packed_is_refused():
     book.step_rebuilder = unpacked
     with pytest.raises(RuntimeError, match="never packed"):
         check_packed(book, StackingRebuilder())
+
+
+def test_layers_the_config_and_vllm_see_apart_are_refused():
+    """The book places its probes and counts a fast step's reads over the layers the model's
+    config gives SFI; vLLM decides per layer from its KV cache spec. Where they disagree the
+    probes would be silently off: refused, naming the layers."""
+    from sfi.vllm.metadata import check_layers
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    check_layers((1, 3), names[1::2], full=True)
+    check_layers((1, 3), names[0::2], full=False)
+    with pytest.raises(RuntimeError, match=r"whole context in model\.layers\.2\.self_attn"):
+        check_layers((1, 3), names[1:3], full=True)
+    with pytest.raises(RuntimeError, match=r"sliding window in model\.layers\.1\.self_attn"):
+        check_layers((1, 3), names[:2], full=False)
+
+
+@pytest.mark.parametrize("window, layer, match", [(128, 1, "sliding window"),
+                                                  (None, 0, "whole context")])
+def test_the_builder_checks_its_layers_against_the_book(sfi_off, monkeypatch, window, layer,
+                                                        match):
+    import sfi.vllm.metadata as metadata
+    from sfi.scorers.registry import make_scorer
+    from sfi.vllm.requests import RequestBook, slot_capacity
+
+    config = SFIConfig(trigger="fixed", period=8, coverage_layers=0)
+    book = RequestBook(config, 2, slot_capacity(config, 256), make_scorer("sfi", config),
+                       layers=(1,))
+    monkeypatch.setattr(metadata, "_book_for", lambda vllm_config: book)
+    builder = Builder(engine_config())
+    builder.layer_names = [f"model.layers.{layer}.self_attn.attn"]
+    builder.kv_cache_spec = Namespace(sliding_window=window)
+    configure(config)
+    with pytest.raises(RuntimeError, match=match):
+        builder.build(0, Namespace(num_reqs=1, seq_lens=torch.tensor([12])))

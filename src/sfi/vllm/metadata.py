@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
@@ -336,7 +337,11 @@ class SFIBuilder:
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Any:
         common = common_attn_metadata
-        if active_config() is None or common.num_reqs == 0 or not self._full_attention():
+        if active_config() is None or common.num_reqs == 0:
+            return super().build(common_prefix_len, common, fast_build)
+        if not self._full_attention():
+            if self._decoder_attention():  # a sliding window: the model's own attention
+                self._check_layers(_book_for(self.vllm_config), full=False)
             return super().build(common_prefix_len, common, fast_build)
         if _full_graphs(self.vllm_config):
             raise RuntimeError(
@@ -345,6 +350,7 @@ class SFIBuilder:
                 "SFI's per-step plan: set SFI_VLLM (or call configure) before the engine "
                 "starts, or run it with enforce_eager=True")
         requests = _book_for(self.vllm_config)
+        self._check_layers(requests, full=True)
         n = common.num_reqs
         starts = _on_host(common.query_start_loc_cpu[: n + 1])
         # vLLM's host copy of the lengths is exact without speculative decoding (refused)
@@ -357,14 +363,27 @@ class SFIBuilder:
                            query_start=starts, block_table=block_table,
                            last_layer=max(layer_index(name) for name in self.layer_names))
 
+    def _decoder_attention(self) -> bool:
+        """A causal decoder layer's self-attention (not cross or encoder-only attention)."""
+        return not (getattr(self, "is_cross_attention", False)
+                    or getattr(self, "is_encoder_only_attention", False))
+
     def _full_attention(self) -> bool:
         """A causal decoder layer that sees its whole context (no sliding window)."""
-        if getattr(self, "is_cross_attention", False) or \
-                getattr(self, "is_encoder_only_attention", False):
+        if not self._decoder_attention():
             return False
         if getattr(self, "window_size", -1) not in (-1, None):  # vLLM's CPU builder
             return False
         return getattr(self.kv_cache_spec, "sliding_window", None) in (-1, None)
+
+    def _check_layers(self, requests: RequestBook, full: bool) -> None:
+        """Once per book: refuse layers whose kind vLLM's KV cache spec (``full``, this
+        builder's) and the model's config (the book's :attr:`RequestBook.layers`, where its
+        probes go and a fast step's reads are counted) see differently."""
+        if getattr(self, "_checked_book", None) is requests:
+            return
+        check_layers(requests.layers, self.layer_names, full)
+        self._checked_book = requests
 
     def build_stock(self, common: CommonAttentionMetadata) -> Any:
         """The stock metadata of ``common`` (a whole batch or a part of it), holding no view
@@ -390,6 +409,19 @@ def check_packed(requests: RequestBook, rebuilder: StackingRebuilder) -> None:
         raise RuntimeError("sfi.vllm: the last step's memory refreshes were never packed (the "
                            "step's last attention layer did not run with SFI's metadata); "
                            "please report this model to sfi")
+
+
+def check_layers(served: Sequence[int], names: Sequence[str], full: bool) -> None:
+    """Raise, naming them, where layers ``names`` that vLLM builds as attending over their
+    whole context (``full``) or within a sliding window are not, or are, among ``served`` (the
+    layers the model's config gives SFI, :func:`sfi.cost_model.slow_fast_layers`): the
+    probes would be placed, and the reads counted, over layers that do not run SFI."""
+    wrong = [name for name in names if (layer_index(name) in served) != full]
+    if wrong:
+        kind = "the whole context" if full else "a sliding window"
+        raise RuntimeError(
+            f"sfi.vllm: vLLM attends over {kind} in {', '.join(wrong)}, where the model's "
+            f"config gives SFI the layers {list(served)}; please report this model to sfi")
 
 
 def layer_index(name: str) -> int:
