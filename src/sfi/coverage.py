@@ -27,7 +27,7 @@ Shapes: n rows, H KV heads, G query heads per KV head, P pages, D head size, C c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,19 +78,39 @@ def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor]
             best by the bound.
     """
     layers, n = len(queries), rows.shape[0]
-    shifts = shift.repeat(layers) if shift is not None else None
-    positions, real = top_pages(torch.cat(list(scores)), page=page,
-                                top=top + (raised is not None), length=keys[0].shape[-2],
-                                shift=shifts)  # [L * n, H, m * P]
+    heads = torch.arange(keys[0].shape[1], device=rows.device)[None, :, None]
+
+    def read(positions: torch.Tensor) -> torch.Tensor:  # [L * n, H, N] -> [L * n, H, N, D]
+        return torch.cat([layer_keys[rows[:, None, None], heads, positions[i * n:(i + 1) * n]]
+                          for i, layer_keys in enumerate(keys)])
+
+    missed = pages_miss(torch.cat(list(queries)), torch.cat(list(scores)), torch.cat(list(lse)),
+                        read, page=page, top=top, threshold=threshold, scale=scale,
+                        softcap=softcap, length=keys[0].shape[-2],
+                        shift=shift.repeat(layers) if shift is not None else None,
+                        raised=torch.cat(list(raised)) if raised is not None else None)
+    return missed.view(layers, n).any(dim=0)
+
+
+def pages_miss(query: torch.Tensor, scores: torch.Tensor, lse: torch.Tensor,
+               read_keys: Callable[[torch.Tensor], torch.Tensor], *, page: int, top: int,
+               threshold: float, scale: float, softcap: float | None,
+               length: int | torch.Tensor, shift: torch.Tensor | None = None,
+               raised: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n]`` bool: the coverage verdict of both engines. The ``top`` best pages of ``scores
+    [n, H, P]`` (:func:`page_scores`; with ``raised [n, H]``, :func:`with_next_pages`, one more,
+    read where it was raised), their keys read by ``read_keys`` (positions ``[n, H, N]`` ->
+    keys ``[n, H, N, D]``: each engine reads its own storage), and whether they would take
+    more than ``threshold`` of the attention of ``query [n, H, G, D]`` beside the memory whose
+    log-sum-exp is ``lse [n, H, G]`` (:func:`misses`). ``length`` and ``shift`` as in
+    :func:`top_pages`."""
+    positions, real = top_pages(scores, page=page, top=top + (raised is not None),
+                                length=length, shift=shift)  # [n, H, m * P]
     if raised is not None:  # no page raised: the last of the top + 1 is not read
         real = real.clone()
-        real[..., -page:] &= torch.cat(list(raised))[..., None]
-    heads = torch.arange(keys[0].shape[1], device=rows.device)[None, :, None]
-    chosen = torch.cat([layer_keys[rows[:, None, None], heads, positions[i * n:(i + 1) * n]]
-                        for i, layer_keys in enumerate(keys)])  # [L * n, H, m * P, D]
-    missed = misses(torch.cat(list(queries)), chosen, real, torch.cat(list(lse)),
-                    threshold=threshold, scale=scale, softcap=softcap)
-    return missed.view(layers, n).any(dim=0)
+        real[..., -page:] &= raised[..., None]
+    return misses(query, read_keys(positions), real, lse, threshold=threshold, scale=scale,
+                  softcap=softcap)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sfi.coverage import misses, page_scores, probe_page, top_pages, unheld_pages
+from sfi.coverage import page_scores, pages_miss, probe_page, unheld_pages
 from sfi.kernels import attention_logits
 from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
@@ -254,14 +254,14 @@ class SFIImpl:
         for i, held in enumerate(boxes):
             scores[i, :, : held.boxes.shape[2]] = page_scores(q[i: i + 1], held.boxes,
                                                              held.outside)[0]
-        totals = torch.tensor([p.total for p in plans], device=q.device)  # each in its blocks
-        positions, real = top_pages(scores, page=probe_page(c), top=c.coverage_top,
-                                    length=totals)
         rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
-        chosen = read_positions(cache_keys, md.block_table.index_select(0, rows), positions,
-                                layout.keys)  # [n, H, top * page, D]
-        found = misses(q, chosen, real, lse, threshold=c.coverage_threshold, scale=self.scale,
-                       softcap=softcap)
+        blocks = md.block_table.index_select(0, rows)
+        found = pages_miss(
+            q, scores, lse, lambda positions: read_positions(cache_keys, blocks, positions,
+                                                             layout.keys),
+            page=probe_page(c), top=c.coverage_top, threshold=c.coverage_threshold,
+            scale=self.scale, softcap=softcap,
+            length=torch.tensor([p.total for p in plans], device=q.device))  # in its blocks
         # kept where the model runs (no wait for the device here); the next step's plan reads
         # every layer's flags in its one transfer
         requests.missed[md.fast_slot_index] |= found
