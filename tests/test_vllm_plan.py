@@ -185,8 +185,7 @@ def test_the_plugins_slots_are_set_in_sfi_vllm():
         parse_settings("repair_tokens=96")
     with pytest.raises(SFIConfigError, match="coverage_next is a probe of the transformers"):
         parse_settings("coverage_next=true")
-    with pytest.raises(SFIConfigError, match="coverage_copy is a probe of the transformers"):
-        parse_settings("coverage_copy=0.5")
+    assert parse_settings("coverage_copy=0.5")[0].coverage_copy == 0.5  # both engines' probe
     assert not parse_settings("coverage_retry=false")[0].coverage_retry
     try:
         configure(SFIConfig(), slots=3)

@@ -40,6 +40,9 @@ SENTENCE = SFIConfig(k_head=128, recent=64, refresh_interval=24, min_refresh_gap
                      coverage_layers=0, min_skip=0, min_gain=1.0)
 # the plugin's default: the sentence trigger and the coverage probes
 COVERAGE = replace(SENTENCE, coverage_layers=8)
+# the copy probe alone (the pages' probe never flags at a threshold of 1): on these prompts it
+# flags 3 memories in the transformers path
+COPY = replace(COVERAGE, coverage_threshold=1.0, coverage_copy=0.1)
 # the mechanisms the plugin once refused: a pinned quarter of K, hysteresis, a dense first layer
 PINNED = replace(COVERAGE, pin_fraction=0.25, hysteresis=0.5, dense_layers=1)
 

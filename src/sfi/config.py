@@ -209,7 +209,7 @@ class SFIConfig:
     hold the position after it (a copy about to run past what the memory holds), refreshes at
     the next step (as ``coverage_gap`` allows), before the copy needs that position; no page is
     read for it, and ``coverage_retry`` does not do the step again for it (0 = off;
-    transformers path)."""
+    both engines)."""
     coverage_retry: bool = False
     """Coverage probes: a fast step whose probes flag a row is done again at once as that
     row's slow step (its token then comes from dense attention and the refresh), instead of

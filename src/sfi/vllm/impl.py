@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sfi.coverage import page_scores, pages_miss, probe_page, unheld_pages
+from sfi.coverage import copy_runs_out, page_scores, pages_miss, probe_page, unheld_pages
 from sfi.kernels import attention_logits
 from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
@@ -262,9 +262,29 @@ class SFIImpl:
             page=probe_page(c), top=c.coverage_top, threshold=c.coverage_threshold,
             scale=self.scale, softcap=softcap,
             length=torch.tensor([p.total for p in plans], device=q.device))  # in its blocks
+        if c.coverage_copy:  # flagged whatever the pages say
+            found = found | self._copies(plans, logits, lse, c.coverage_copy)
         # kept where the model runs (no wait for the device here); the next step's plan reads
         # every layer's flags in its one transfer
         requests.missed[md.fast_slot_index] |= found
+
+    def _copies(self, plans: list[RowPlan], logits: torch.Tensor, lse: torch.Tensor,
+                share: float) -> torch.Tensor:
+        """``[n]`` bool: :func:`sfi.coverage.copy_runs_out` of the fast rows ``plans``, whose
+        ``logits [n, H, G, slot]`` over their slots (sinks, then the selected positions, then
+        the recent window) have the log-sum-exp ``lse [n, H, G]`` (``coverage_copy``)."""
+        memories = [p.memory for p in plans]
+        width = max(m.sink_count + m.k for m in memories)
+        n, h, device = len(plans), logits.shape[1], logits.device
+        positions = torch.full((n, h, width), -1, dtype=torch.long, device=device)
+        held = torch.zeros(n, width, dtype=torch.bool, device=device)
+        for row, (plan, memory) in enumerate(zip(plans, memories)):
+            sinks, k = memory.sink_count, memory.k
+            positions[row, :, :sinks] = torch.arange(memory.pad, memory.sink_end, device=device)
+            positions[row, :, sinks: sinks + k] = self.records[plan.slot].selected
+            held[row, sinks: sinks + k] = True
+        hi = torch.tensor([m.recent_start for m in memories], device=device)
+        return copy_runs_out(logits[..., :width], lse, positions, held, hi, share=share)
 
 
 def _key_norms(held: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:

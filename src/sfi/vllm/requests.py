@@ -87,7 +87,8 @@ class RowPlan:
             ``select`` (first selection from the prompt's queries, then fast) or ``fast``.
         slot: the row's slot in the plugin's buffer (None for rows the plugin does not track).
         total: T, the row's context after this step (vLLM's ``seq_len``).
-        memory: for ``slow`` and ``select``, the memory built at this step.
+        memory: for ``slow`` and ``select``, the memory built at this step; for ``fast``,
+            the memory it reads (the coverage probes' ``coverage_copy`` needs its geometry).
         length: entries of the slot a fast read covers at this step (``select`` and ``fast``:
             including the new token); for ``slow``, the entries the refresh packs.
         record: prompt queries to record from this row (its last ``record`` query tokens).
@@ -290,7 +291,7 @@ class RequestBook:
             state.length = select.length
             return select
         state.length += 1
-        return RowPlan(row, FAST, state.slot, t, length=state.length)
+        return RowPlan(row, FAST, state.slot, t, memory=seq.memory, length=state.length)
 
     def apply_coverage_flags(self, flags: Sequence[bool]) -> None:
         """Flag the request in each slot whose ``flags`` entry is set: the probes' misses since

@@ -17,7 +17,7 @@ EXACT_FIELDS = ("draft_tokens", "draft_min", "draft_max", "draft_fallback")  # s
 #: fields whose behaviour is the transformers path's alone: a step, or positions, run again
 REDO_FIELDS = ("coverage_retry", "repair_tokens")
 #: fields the plugin's coverage probes do not implement
-PROBE_FIELDS = ("coverage_next", "coverage_copy")
+PROBE_FIELDS = ("coverage_next",)
 
 
 def parse_config(spec: str) -> SFIConfig:
