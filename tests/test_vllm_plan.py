@@ -114,6 +114,7 @@ def test_lengths_follow_the_memory():
     assert first.length == 2 + 16 + 8 + 1 and first.evidence == 16
     second = requests.plan([5], [1], [42])[0]
     assert second.kind == FAST and second.length == first.length + 1
+    assert second.memory == first.memory  # the memory a fast row reads (its copy probe's)
     slow = requests.plan([5], [1], [43])[0]  # the third step since the prompt's selection
     assert slow.kind == SLOW and slow.reason == "period"
     assert slow.length == 2 + 16 + 8 and slow.memory.recent_start == 43 - 8

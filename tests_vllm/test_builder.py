@@ -150,27 +150,30 @@ def test_layers_the_config_and_vllm_see_apart_are_refused():
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     check_layers((1, 3), names[1::2], full=True)
     check_layers((1, 3), names[0::2], full=False)
-    with pytest.raises(RuntimeError, match=r"whole context in model\.layers\.2\.self_attn"):
+    with pytest.raises(RuntimeError, match=r"model\.layers\.2\.self_attn\.attn the whole"):
         check_layers((1, 3), names[1:3], full=True)
-    with pytest.raises(RuntimeError, match=r"sliding window in model\.layers\.1\.self_attn"):
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn\.attn a sliding"):
         check_layers((1, 3), names[:2], full=False)
 
 
 @pytest.mark.parametrize("window, layer, match", [(128, 1, "sliding window"),
                                                   (None, 0, "whole context")])
-def test_the_builder_checks_its_layers_against_the_book(sfi_off, monkeypatch, window, layer,
-                                                        match):
-    import sfi.vllm.metadata as metadata
-    from sfi.scorers.registry import make_scorer
-    from sfi.vllm.requests import RequestBook, slot_capacity
-
-    config = SFIConfig(trigger="fixed", period=8, coverage_layers=0)
-    book = RequestBook(config, 2, slot_capacity(config, 256), make_scorer("sfi", config),
-                       layers=(1,))
-    monkeypatch.setattr(metadata, "_book_for", lambda vllm_config: book)
-    builder = Builder(engine_config())
+def test_the_builder_checks_its_layers_against_the_config(sfi_off, window, layer, match):
+    """Gemma 2's alternation, layer 1 full in the config: a builder that vLLM gives a window
+    there, or the whole context at layer 0, is refused at its first SFI step (before any
+    request book is made)."""
+    config = engine_config()
+    config.model_config = Namespace(hf_text_config=Namespace(
+        num_hidden_layers=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"]))
+    builder = Builder(config)
     builder.layer_names = [f"model.layers.{layer}.self_attn.attn"]
     builder.kv_cache_spec = Namespace(sliding_window=window)
-    configure(config)
+    configure(SFIConfig(trigger="fixed", period=8, coverage_layers=0))
     with pytest.raises(RuntimeError, match=match):
         builder.build(0, Namespace(num_reqs=1, seq_lens=torch.tensor([12])))
+    builder.layer_names = [f"model.layers.{1 - layer}.self_attn.attn"]  # the config's kind
+    builder._layers_checked = False
+    if window is not None:  # a sliding layer of the config: the model's own attention
+        assert builder.build(0, Namespace(num_reqs=1, seq_lens=torch.tensor([12]))).seq_lens \
+            .tolist() == [12]

@@ -233,8 +233,10 @@ class SFIImpl:
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """Check every fast row's memory at once: flag the slots whose memory misses pages the
-        query bounds highly (their requests refresh at a later step; ``sfi.coverage``). Only
-        the page bounds are taken row by row (each request's boxes are its own tensor)."""
+        query bounds highly, and with ``coverage_copy`` those whose copy is about to run past
+        what they hold (their requests refresh at a later step; ``sfi.coverage``). Only the
+        page bounds and the copies' slot positions are taken row by row (each request's boxes
+        and selection are its own tensors)."""
         c = requests.config
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]

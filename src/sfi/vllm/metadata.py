@@ -341,7 +341,7 @@ class SFIBuilder:
             return super().build(common_prefix_len, common, fast_build)
         if not self._full_attention():
             if self._decoder_attention():  # a sliding window: the model's own attention
-                self._check_layers(_book_for(self.vllm_config), full=False)
+                self._check_layers(full=False)
             return super().build(common_prefix_len, common, fast_build)
         if _full_graphs(self.vllm_config):
             raise RuntimeError(
@@ -349,8 +349,8 @@ class SFIBuilder:
                 "it and replays CUDA graphs of whole steps, attention included, which cannot run "
                 "SFI's per-step plan: set SFI_VLLM (or call configure) before the engine "
                 "starts, or run it with enforce_eager=True")
+        self._check_layers(full=True)
         requests = _book_for(self.vllm_config)
-        self._check_layers(requests, full=True)
         n = common.num_reqs
         starts = _on_host(common.query_start_loc_cpu[: n + 1])
         # vLLM's host copy of the lengths is exact without speculative decoding (refused)
@@ -376,14 +376,15 @@ class SFIBuilder:
             return False
         return getattr(self.kv_cache_spec, "sliding_window", None) in (-1, None)
 
-    def _check_layers(self, requests: RequestBook, full: bool) -> None:
-        """Once per book: refuse layers whose kind vLLM's KV cache spec (``full``, this
-        builder's) and the model's config (the book's :attr:`RequestBook.layers`, where its
-        probes go and a fast step's reads are counted) see differently."""
-        if getattr(self, "_checked_book", None) is requests:
-            return
-        check_layers(requests.layers, self.layer_names, full)
-        self._checked_book = requests
+    def _check_layers(self, full: bool) -> None:
+        """Once per builder: refuse layers whose kind vLLM's KV cache spec (``full``, this
+        builder's) and the model's config (:func:`sfi.cost_model.slow_fast_layers`, the
+        request book's :attr:`RequestBook.layers`, where its probes go and a fast step's reads
+        are counted) see differently."""
+        if not getattr(self, "_layers_checked", False):
+            check_layers(slow_fast_layers(self.vllm_config.model_config.hf_text_config),
+                         self.layer_names, full)
+            self._layers_checked = True
 
     def build_stock(self, common: CommonAttentionMetadata) -> Any:
         """The stock metadata of ``common`` (a whole batch or a part of it), holding no view
@@ -420,8 +421,9 @@ def check_layers(served: Sequence[int], names: Sequence[str], full: bool) -> Non
     if wrong:
         kind = "the whole context" if full else "a sliding window"
         raise RuntimeError(
-            f"sfi.vllm: vLLM attends over {kind} in {', '.join(wrong)}, where the model's "
-            f"config gives SFI the layers {list(served)}; please report this model to sfi")
+            f"sfi.vllm: vLLM's KV cache spec gives {', '.join(wrong)} {kind}, where the "
+            f"model's config gives SFI the layers {list(served)}; please report this model "
+            "to sfi")
 
 
 def layer_index(name: str) -> int:
