@@ -1,10 +1,12 @@
 """What the coverage probes cost a fast step, measured in one process.
 
-Run as ``.venv/bin/python scripts/probe_ab.py [context] [batch] [reps]`` (default 16384 1 12):
+Run as ``.venv/bin/python scripts/probe_ab.py [context] [batch] [reps] [model] [weights]``
+(default 16384 1 12 default native; ``weights`` as ``sfi.load``'s, int8 compiling the step):
 fills a cache of the default model with synthetic KV, then alternates ``reps`` times 20 fast
-steps with the default preset's 8 probe layers and 20 without (the same cache, the sequences'
-configuration switched between them; no refresh happens), and prints the median step of each
-block and the median of the paired differences.
+steps with the default preset's 8 probe layers, 20 with them and the copy probe
+(``coverage_copy``, at a share of 1, so that it computes its verdict and never flags) and 20
+without probes (the same cache, the sequences' configuration switched between them; no refresh
+happens), and prints the median step of each block and the medians of the paired differences.
 """
 
 import statistics
@@ -22,10 +24,12 @@ from sfi.prefill import prefill
 from sfi.prefix import prefix_kv
 
 torch.set_num_threads(2)
-context, batch, reps = ([int(a) for a in sys.argv[1:4]] + [16384, 1, 12][len(sys.argv) - 1:])[:3]
-model, tokenizer = load("default")
+args = sys.argv[1:] + ["16384", "1", "12", "default", "native"][len(sys.argv) - 1:]
+context, batch, reps = (int(a) for a in args[:3])
+model, tokenizer = load(args[3], weights=args[4])
 probing = replace(SFIConfig(), trigger="bootstrap", coverage_threshold=1.0)  # never refresh
-configs = {"probes": probing, "no probes": replace(probing, coverage_layers=0)}
+configs = {"probes": probing, "probes+copy": replace(probing, coverage_copy=1.0),
+           "no probes": replace(probing, coverage_layers=0)}
 ids = benchmark_ids(tokenizer, context, batch)
 window = probing.evidence_window
 medians: dict[str, list[float]] = {name: [] for name in configs}
@@ -51,6 +55,12 @@ with torch.inference_mode():
                 raise SystemExit(f"a step was not fast: {cache.step_kinds()}")
             medians[name].append(statistics.median(times) * 1e3)
 for name, values in medians.items():
-    print(f"{name:10s}", " ".join(f"{v:.2f}" for v in values), "ms")
-paired = statistics.median(a - b for a, b in zip(medians["probes"], medians["no probes"]))
-print(f"the probes' cost per step (median of paired differences): {paired:.2f} ms")
+    print(f"{name:12s}", " ".join(f"{v:.2f}" for v in values), "ms")
+
+def paired(a: str, b: str) -> float:
+    return statistics.median(x - y for x, y in zip(medians[a], medians[b]))
+
+
+print(f"the probes' cost per step (median of paired differences): "
+      f"{paired('probes', 'no probes'):.2f} ms")
+print(f"the copy probe's cost on top of them: {paired('probes+copy', 'probes'):.2f} ms")
