@@ -203,7 +203,7 @@ class SFIConfig:
     page (beside the ``coverage_top`` pages the bound ranks): a copy that runs past the end of
     what the memory holds (the first digits of a number held, the rest not) is caught as it
     leaves it (transformers path)."""
-    coverage_copy: float = 0.0
+    coverage_copy: float = 0.5
     """Coverage probes: a fast step in which a query head of a probe layer gives more than this
     share of its attention to its most attended selected position, and the memory does not
     hold the position after it (a copy about to run past what the memory holds), refreshes at
@@ -392,7 +392,8 @@ PAPER_PRESET: dict[str, Any] = dict(
     pos_power=1.8, eta=0.4, beta=DEFAULT_BETA, lambda_cap_single=0.35, lambda_cap_multi=0.25,
     nms_radius=16, nms_strength=1.0, exclusivity_temperature=2.0, exclusivity_strength=0.85,
     exclusivity_min_heads=3, pool_kernel=1, page_size=1, pin_fraction=0.0, hysteresis=0.0,
-    dense_layers=0, coverage_layers=0, min_skip=0, min_gain=1.0, repair_tokens=0,
+    dense_layers=0, coverage_layers=0, coverage_copy=0.0, min_skip=0, min_gain=1.0,
+    repair_tokens=0,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
