@@ -27,7 +27,9 @@ torch.set_num_threads(2)
 args = sys.argv[1:] + ["16384", "1", "12", "default", "native"][len(sys.argv) - 1:]
 context, batch, reps = (int(a) for a in args[:3])
 model, tokenizer = load(args[3], weights=args[4])
-probing = replace(SFIConfig(), trigger="bootstrap", coverage_threshold=1.0)  # never refresh
+# never refresh: the pages' probe never flags at a threshold of 1, the copy probe never at a
+# share of 1 (it computes its verdict all the same)
+probing = replace(SFIConfig(), trigger="bootstrap", coverage_threshold=1.0, coverage_copy=0.0)
 configs = {"probes": probing, "probes+copy": replace(probing, coverage_copy=1.0),
            "no probes": replace(probing, coverage_layers=0)}
 ids = benchmark_ids(tokenizer, context, batch)
