@@ -59,6 +59,7 @@ with torch.inference_mode():
 for name, values in medians.items():
     print(f"{name:12s}", " ".join(f"{v:.2f}" for v in values), "ms")
 
+
 def paired(a: str, b: str) -> float:
     return statistics.median(x - y for x, y in zip(medians[a], medians[b]))
 

@@ -408,7 +408,6 @@ def test_the_plugin_is_inert_without_configuration(monkeypatch):
     assert active_config() == before
 
 
-
 def test_a_benchmark_cells_rates_count_only_its_own_requests():
     """``sfi bench-vllm`` merges the stats of the requests a cell ran: those of an earlier cell
     that are still in the book (they leave it only when their slot or key is taken) stay out."""

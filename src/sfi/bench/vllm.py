@@ -193,7 +193,7 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
 
     def time_mode(llm: Any, mode: str, cell: tuple[int, int]) -> None:
         say(f"context {cell[0]}, batch {cell[1]}: {mode}")
-        before = backend.book()
+        before = backend.book() if mode == "vllm+sfi" else None
         earlier = {r.serial for r in before.requests.values()} if before is not None else set()
         times = time_decode(llm, ids[cell].tolist(), new_tokens, warmup)
         rates = (None, None)

@@ -274,7 +274,9 @@ class SFIImpl:
                 share: float) -> torch.Tensor:
         """``[n]`` bool: :func:`sfi.coverage.copy_runs_out` of the fast rows ``plans``, whose
         ``logits [n, H, G, slot]`` over their slots (sinks, then the selected positions, then
-        the recent window) have the log-sum-exp ``lse [n, H, G]`` (``coverage_copy``)."""
+        the recent window) have the log-sum-exp ``lse [n, H, G]`` (``coverage_copy``). Only the
+        selected slots are held, so only their positions are written (the others are never
+        read)."""
         memories = [p.memory for p in plans]
         width = max(m.sink_count + m.k for m in memories)
         n, h, device = len(plans), logits.shape[1], logits.device
@@ -282,7 +284,6 @@ class SFIImpl:
         held = torch.zeros(n, width, dtype=torch.bool, device=device)
         for row, (plan, memory) in enumerate(zip(plans, memories)):
             sinks, k = memory.sink_count, memory.k
-            positions[row, :, :sinks] = torch.arange(memory.pad, memory.sink_end, device=device)
             positions[row, :, sinks: sinks + k] = self.records[plan.slot].selected
             held[row, sinks: sinks + k] = True
         hi = torch.tensor([m.recent_start for m in memories], device=device)

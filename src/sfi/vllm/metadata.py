@@ -319,6 +319,7 @@ class SFIBuilder:
     :class:`SFIMetadata`, and the stock ``build`` runs once per part of the batch."""
 
     supports_update_block_table = False
+    _layers_checked = False  # check_layers ran for this builder's layers
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -381,7 +382,7 @@ class SFIBuilder:
         builder's) and the model's config (:func:`sfi.cost_model.slow_fast_layers`, the
         request book's :attr:`RequestBook.layers`, where its probes go and a fast step's reads
         are counted) see differently."""
-        if not getattr(self, "_layers_checked", False):
+        if not self._layers_checked:
             check_layers(slow_fast_layers(self.vllm_config.model_config.hf_text_config),
                          self.layer_names, full)
             self._layers_checked = True
