@@ -100,6 +100,7 @@ STORAGE_MUST_NOT_SEE = {"sfi.planner", "sfi.layer_attention", "sfi.attention", "
     # the sequence policy and the selection are engine-neutral: both engines call them
     ("sfi.sequence_policy", ENGINES | {"sfi.planner", "sfi.kernels", "sfi.refresh_selection"}),
     ("sfi.refresh_selection", ENGINES | {"sfi.planner", "sfi.sequence_policy"}),
+    ("sfi.memory_tensors", ENGINES | {"sfi.planner", "sfi.kernels", "sfi.refresh_selection"}),
     # a layer's attention never sees its cache
     ("sfi.layer_attention", {"sfi.slowfast_cache", "sfi.methods", *LOOP}),
     # storage only stores: nothing of the plan, the step, the policy or the refresh
@@ -126,7 +127,8 @@ def third_party_imports(path: Path) -> set[str]:
     return found - {"sfi", "__future__"}
 
 
-@pytest.mark.parametrize("module", ["sequence_policy", "refresh_selection", "kernels"])
+@pytest.mark.parametrize("module", ["sequence_policy", "refresh_selection", "kernels",
+                                    "memory_tensors"])
 def test_the_core_imports_no_engine(module):
     """No transformers, no vLLM, no torch.nn modules: plain policy and tensor functions (the
     kernels both engines call included)."""

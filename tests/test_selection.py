@@ -569,3 +569,26 @@ def test_the_evidence_bias_is_each_rows_own_causal_window():
     plain = evidence_bias(torch.tensor([5]), 2, 5)  # no starts, no windows: causal only
     assert torch.equal(plain == 0, torch.arange(5)[None, None, :] <= torch.tensor([3, 4])[None, :,
                                                                                           None])
+
+
+def test_memory_tensors_hold_each_memorys_geometry_and_its_selected_slots():
+    """Both engines' view of their rows' memories: every field, and the selected slots of a
+    buffer with S sink slots per row (the transformers path's) or one that packs each row's
+    own sinks first (the plugin's)."""
+    from sfi.memory_tensors import MemoryTensors
+    from sfi.sequence_policy import Memory, refresh_memory
+
+    memories = [refresh_memory(100, 0, 4, 16, 10), refresh_memory(100, 98, 4, 16, 10),
+                Memory(pad=3, sink=2, sink_end=5, recent_start=40, k=3, pinned=1)]
+    t = MemoryTensors.of(memories, "cpu")
+    for name, field in (("pad", "pad"), ("sink", "sink"), ("lo", "sink_end"),
+                        ("hi", "recent_start"), ("k", "k"), ("pinned", "pinned")):
+        assert getattr(t, name).tolist() == [getattr(m, field) for m in memories], name
+    assert t.sink_count.tolist() == [m.sink_count for m in memories] == [4, 0, 2]
+    assert t.k.tolist() == [10, 0, 3]
+    by_sink = t.selected_slots(16, t.sink)
+    packed = t.selected_slots(16, t.sink_count)
+    for row, m in enumerate(memories):
+        assert by_sink[row].nonzero().flatten().tolist() == list(range(m.sink, m.sink + m.k))
+        assert packed[row].nonzero().flatten().tolist() == list(
+            range(m.sink_count, m.sink_count + m.k))

@@ -261,15 +261,16 @@ class SlowFastAttention(AttendingLayer):
             query = None  # nor the keys: no scorer of these rows reads them (no copy either)
         key_norms = slow.rows.take(self.store.key_norms)
         cached_keys = slow.rows.take(self.store.keys) if query is not None else None
-        evidence = make_evidence(logits, self.layer_idx, slow.lo, slow.hi, keys=cached_keys,
+        at = slow.geometry
+        evidence = make_evidence(logits, self.layer_idx, at.lo, at.hi, keys=cached_keys,
                                  key_norms=key_norms, candidates=slow.candidates,
-                                 queries=queries, query=query, pads=slow.pads,
+                                 queries=queries, query=query, pads=at.pad,
                                  probabilities=attention)
         previous = self._previous_selection(slow)
         store = self.store
-        refresh = Refresh(slow.rows, evidence, slow.groups, slow.k, slow.pins, previous,
+        refresh = Refresh(slow.rows, evidence, slow.groups, at.k, at.pinned, previous,
                           lambda selected: pack(store, slow, selected), step.plan.compact_width)
-        inputs = [logits, key_norms, slow.candidates, slow.lo, slow.hi, slow.k, slow.sinks,
+        inputs = [logits, key_norms, slow.candidates, at.lo, at.hi, at.k, at.sink,
                   slow.sink_positions, self.store.keys, self.store.values]
         held = (previous.selected, previous.pinned) if previous is not None else ()
         inputs += [t for t in (query, cached_keys, attention, *held) if t is not None]
@@ -281,8 +282,8 @@ class SlowFastAttention(AttendingLayer):
         if self.store.compact_positions is None:
             return None
         return previous_selection(
-            slow.rows.take(self.store.compact_positions), slow.sinks, slow.previous_k,
-            slow.pins * (~slow.pinning), slow.candidates.shape[-1],
+            slow.rows.take(self.store.compact_positions), slow.geometry.sink, slow.previous_k,
+            slow.geometry.pinned * (~slow.pinning), slow.candidates.shape[-1],
             hysteresis=any(g.rule.hysteresis > 0 for g in slow.groups))
 
 
@@ -298,9 +299,10 @@ def pack(store: SlabLayer, slow: SlowRows, selected: torch.Tensor
     else:  # rows with different S: row b's selected slots start at its own S_b
         width = sinks.shape[-1] + selected.shape[-1]
         slot = torch.arange(width, device=selected.device)[None, :]
-        from_selected = (slot - slow.sinks[:, None]).clamp(0, selected.shape[-1] - 1)
+        sink = slow.geometry.sink
+        from_selected = (slot - sink[:, None]).clamp(0, selected.shape[-1] - 1)
         chosen = selected.gather(-1, from_selected[:, None, :].expand(n, h, width))
         padded = torch.cat([sinks, sinks[..., :1].expand(n, h, selected.shape[-1])], dim=-1)
-        positions = torch.where(slot[:, None, :] < slow.sinks[:, None, None], padded, chosen)
+        positions = torch.where(slot[:, None, :] < sink[:, None, None], padded, chosen)
     keys, values = store.gather(slow.rows.index, positions)
     return keys, values, positions

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sfi.memory_tensors import MemoryTensors
 from sfi.refresh_selection import SelectionGroup
 from sfi.rows import Rows
 from sfi.sequence_policy import DENSE, SLOW, Memory
@@ -26,38 +27,31 @@ class SlowRows:
 
     Attributes:
         rows: which sequences.
-        memories: each row's new memory.
-        lo, hi: ``[n]`` the middle region [lo, hi) each selects from.
-        k: ``[n]`` how many positions each keeps per KV head.
-        sinks: ``[n]`` each row's S (its compact slots before the selected ones).
+        memories: each row's new memory; geometry: the same as ``[n]`` tensors (the middle
+            region ``[lo, hi)`` each selects from, its ``k``, its S (``sink``: the compact
+            slots before the selected ones), its ``pinned`` positions per KV head and its
+            left padding (``pad``: where its pages start, ``sfi.pages``)).
         candidates: ``[n, T]`` bool, the middle region as a mask.
         sink_positions: ``[n, S_max]`` positions of the sink entries (clamped where a row has
             fewer).
         groups: the rows that share a scorer and a selection rule.
         previous_k: ``[n]`` K of the memory this refresh replaces (0: the first selection).
-        pins: ``[n]`` positions per KV head each row keeps pinned; ``pinning`` ``[n]`` bool:
-            this (first) selection chooses them.
+        pinning: ``[n]`` bool: this (first) selection chooses the pinned positions.
         evidence_bias: ``[n, W, T]`` causal and padding bias of the last W queries of a
             multi-token forward (after prefill); None at a decode-time slow step.
         evidence_windows: each row's W there (its ``evidence_window``, at most the forward's
             queries).
-        pads: ``[n]`` each row's left padding (where its pages start, ``sfi.pages``).
     """
 
     rows: Rows
     memories: tuple[Memory, ...]
-    lo: torch.Tensor
-    hi: torch.Tensor
-    k: torch.Tensor
-    sinks: torch.Tensor
+    geometry: MemoryTensors
     candidates: torch.Tensor
     sink_positions: torch.Tensor
     groups: tuple[SelectionGroup, ...]
     previous_k: torch.Tensor
-    pins: torch.Tensor
     pinning: torch.Tensor
     evidence_bias: torch.Tensor | None = None
-    pads: torch.Tensor | None = None
     evidence_windows: tuple[int, ...] = ()
 
     @property

@@ -25,6 +25,7 @@ import torch
 from sfi.config import SFIConfig
 from sfi.coverage import probe_layers, probe_page
 from sfi.kernels import additive_bias, evidence_bias
+from sfi.memory_tensors import MemoryTensors
 from sfi.notices import notice_once
 from sfi.plan import (
     BLOCK_PHASES,
@@ -48,7 +49,6 @@ from sfi.sequence_policy import (
     FAST,
     LAGGED,
     SLOW,
-    Memory,
     SequenceState,
     decode_decision,
     fast_read_fraction,
@@ -182,15 +182,12 @@ class Planner:
             aligned = aligned if any(aligned) else None
             shift = torch.tensor(aligned, device=device) if aligned else None
             memories = [self.sequences[r].memory for r in rows]
-            slot = torch.arange(width, device=device)[None, :]
-            sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
-            k = torch.tensor([m.k for m in memories], device=device)[:, None]
+            geometry = MemoryTensors.of(memories, device)
             target = ProbedRows(
                 self._rows(rows, device),
                 torch.tensor([fast_rows.index(r) for r in rows], device=device),
-                torch.tensor([m.sink_end for m in memories], device=device),
-                torch.tensor([m.recent_start for m in memories], device=device),
-                (slot >= sink) & (slot < sink + k), max(m.recent_start for m in memories))
+                geometry.lo, geometry.hi, geometry.selected_slots(width, geometry.sink),
+                max(m.recent_start for m in memories))
             c = self.sequences[rows[0]].config
             for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
                 probes.append(Probe(layer, page, top, threshold, target, shift, aligned,
@@ -213,43 +210,29 @@ class Planner:
         s_max = max(m.sink for m in memories)
         sinks = [[min(m.pad + j, max(m.sink_end - 1, m.pad)) for j in range(s_max)]
                  for m in memories]
-        lo = torch.tensor([m.sink_end for m in memories], device=device)
-        hi = torch.tensor([m.recent_start for m in memories], device=device)
-        positions = torch.arange(total, device=device)
-        candidates = (positions[None, :] >= lo[:, None]) & (positions[None, :] < hi[:, None])
+        geometry = MemoryTensors.of(memories, device)
+        positions = torch.arange(total, device=device)[None, :]
+        candidates = (positions >= geometry.lo[:, None]) & (positions < geometry.hi[:, None])
         if any(s.holes for s in seqs):  # holes are never candidates (padding lies before lo)
             candidates = candidates & visible_slots(seqs, total, device)
-        evidence_bias, windows = None, []
-        if query_length > 1:
+        bias, windows = None, []
+        if query_length > 1:  # the last W queries of every row (all end at ``total``), each
+            # seeing the keys from the row's first real token up to itself if it is among the
+            # row's own last W_b queries (a padding query, or one outside the window: none)
             queries = evidence_queries or query_length
             windows = [min(s.config.evidence_window, queries) for s in seqs]
-            evidence_bias = self._evidence_bias(memories, windows, total, device)
+            bias = evidence_bias(torch.full((len(rows),), total, device=device), max(windows),
+                                 total, starts=geometry.pad,
+                                 windows=torch.tensor(windows, device=device))
         return SlowRows(
-            rows=self._rows(rows, device), memories=memories, lo=lo, hi=hi,
-            k=torch.tensor([m.k for m in memories], device=device),
-            sinks=torch.tensor([m.sink for m in memories], device=device),
+            rows=self._rows(rows, device), memories=memories, geometry=geometry,
             candidates=candidates,
             sink_positions=torch.tensor(sinks, dtype=torch.long, device=device),
             groups=_selection_groups(seqs, device),
             previous_k=torch.tensor([s.memory.k if s.memory is not None else 0 for s in seqs],
                                     device=device),
-            pins=torch.tensor([m.pinned for m in memories], device=device),
             pinning=torch.tensor([s.memory is None for s in seqs], device=device),
-            evidence_bias=evidence_bias,
-            pads=torch.tensor([m.pad for m in memories], device=device),
-            evidence_windows=tuple(windows))
-
-    @staticmethod
-    def _evidence_bias(memories: Sequence[Memory], windows: Sequence[int], total: int,
-                       device: torch.device) -> torch.Tensor:
-        """``[n, W, T]``: the last W queries of every row (all end at ``total``), each seeing
-        the keys from the row's first real token up to itself, if it is among the row's own
-        last W_b queries (a padding query, or one outside the row's window, sees nothing:
-        no evidence)."""
-        n = len(memories)
-        return evidence_bias(torch.full((n,), total, device=device), max(windows), total,
-                             starts=torch.tensor([m.pad for m in memories], device=device),
-                             windows=torch.tensor(windows, device=device))
+            evidence_bias=bias, evidence_windows=tuple(windows))
 
     def _plan_fast(self, rows: list[int], total: int, width: int,
                    device: torch.device) -> FastRows | None:
@@ -267,11 +250,10 @@ class Planner:
             if visible is not None:
                 allowed = allowed & visible[:, read_start:]
             recent_bias = additive_bias(allowed)[:, None, None, :]
+        geometry = MemoryTensors.of(memories, device)
         slot = torch.arange(width, device=device)[None, :]
-        sink_count = torch.tensor([m.sink_count for m in memories], device=device)[:, None]
-        sink = torch.tensor([m.sink for m in memories], device=device)[:, None]
-        k = torch.tensor([m.k for m in memories], device=device)[:, None]
-        valid = (slot < sink_count) | ((slot >= sink) & (slot < sink + k))
+        valid = (slot < geometry.sink_count[:, None]) | geometry.selected_slots(width,
+                                                                                geometry.sink)
         compact_bias = additive_bias(valid)[:, None, None, :]
         return FastRows(self._rows(rows, device), read_start, recent_bias, compact_bias)
 

@@ -42,9 +42,8 @@ def give_back_freed_memory() -> None:
     """Return the heap's free pages to the system (glibc's ``malloc_trim``). The server calls
     it after a prompt's prefill: every prompt is prefilled into its own cache, freed once
     copied into the slab, and every chunk's activations are freed too; glibc keeps what they
-    freed, fragmented, and the server's resident memory only grows (measured when the batch
-    itself was still rebuilt at every join: 4.2 GB peak against 3.0 GB with the pages given
-    back, 12 requests of 2.8K tokens). No effect without glibc."""
+    freed, fragmented, and without this the server's resident memory only grows. No effect
+    without glibc."""
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
         trim(0)

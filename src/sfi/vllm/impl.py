@@ -20,6 +20,7 @@ import torch
 
 from sfi.coverage import copy_runs_out, page_scores, pages_miss, probe_page, unheld_pages
 from sfi.kernels import attention_logits
+from sfi.memory_tensors import MemoryTensors
 from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
 from sfi.refresh_selection import SelectionGroup, SelectionRule
@@ -281,13 +282,13 @@ class SFIImpl:
         width = max(m.sink_count + m.k for m in memories)
         n, h, device = len(plans), logits.shape[1], logits.device
         positions = torch.full((n, h, width), -1, dtype=torch.long, device=device)
-        held = torch.zeros(n, width, dtype=torch.bool, device=device)
         for row, (plan, memory) in enumerate(zip(plans, memories)):
             sinks, k = memory.sink_count, memory.k
             positions[row, :, sinks: sinks + k] = self.records[plan.slot].selected
-            held[row, sinks: sinks + k] = True
-        hi = torch.tensor([m.recent_start for m in memories], device=device)
-        return copy_runs_out(logits[..., :width], lse, positions, held, hi, share=share)
+        geometry = MemoryTensors.of(memories, device)
+        held = geometry.selected_slots(width, geometry.sink_count)
+        return copy_runs_out(logits[..., :width], lse, positions, held, geometry.hi,
+                             share=share)
 
 
 def _key_norms(held: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:

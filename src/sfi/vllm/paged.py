@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sfi.kernels import attention_logits, evidence_bias, window_logits
+from sfi.memory_tensors import MemoryTensors
 from sfi.refresh_selection import PreviousSelection, SelectionRule, previous_selection
 from sfi.scorers import Evidence, Scorer, make_evidence, scores_rows_alone
 from sfi.sequence_policy import Memory
@@ -298,20 +299,17 @@ def _window_selection(scorer: Scorer, rule: SelectionRule, layer_idx: int,
         bias = evidence_bias(end, w, t)  # [n, W, T]
         logits = window_logits(q, keys, bias, scale, softcap)  # [n, H, G * W, T]
     memories = [r.memory for r in group]
-    lo = torch.tensor([m.sink_end for m in memories], device=device)
-    hi = torch.tensor([m.recent_start for m in memories], device=device)
+    geometry = MemoryTensors.of(memories, device)
     norms = None
     if all(r.key_norms is not None for r in group):
         norms = _padded([r.key_norms for r in group], t)
     query = None if scores_rows_alone(scorer) else q.reshape(n, h, -1, d)
-    evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys, key_norms=norms, queries=w,
-                             query=query)
-    k = torch.tensor([m.k for m in memories], device=device)
-    pins = torch.tensor([m.pinned for m in memories], device=device)
+    evidence = make_evidence(logits, layer_idx, geometry.lo, geometry.hi, keys=keys,
+                             key_norms=norms, queries=w, query=query)
     previous = None
     if rule.hysteresis > 0 or any(m.pinned for m in memories):
         previous = _previous(group, h, t, device, rule.hysteresis > 0)
-    return WindowSelection(members, evidence, k, pins, previous)
+    return WindowSelection(members, evidence, geometry.k, geometry.pinned, previous)
 
 
 def _previous(group: Sequence[RequestRefresh], h: int, t: int, device: torch.device,
