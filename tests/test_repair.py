@@ -4,6 +4,7 @@ cache holds full attention's KV again."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -195,3 +196,22 @@ def test_a_slow_step_outside_sfis_loops_says_it_did_not_repair(caplog, monkeypat
     assert cache.stats().slow_steps > 0
     assert cache.stats().repaired_tokens == 0
     assert any("without re-running the positions" in r.message for r in caplog.records)
+
+
+def test_a_slow_row_refreshes_at_its_own_sparse_layers_whatever_other_rows_read():
+    """A repairing step's block refreshes a slow row at every layer past its own
+    ``dense_layers``, even where a fast row of the batch with more dense layers reads densely
+    (a count of the rows dense at the layer against the slow rows skipped it there)."""
+    from types import SimpleNamespace
+
+    from sfi.plan import REPAIR, StepPlan
+    from sfi.sequence_policy import FAST, SLOW
+
+    plan = StepPlan(query_length=4, total_length=100, decode=True, kinds=(SLOW, FAST),
+                    reasons=("sentence", None), tokens=(1, 2), dense=None,
+                    slow=SimpleNamespace(rows=SimpleNamespace(indices=(0,))), fast=None,
+                    pad_bias=None, compact_width=8, dense_layers=(0, 2), phase=REPAIR)
+    assert [plan.selects_at(layer) for layer in range(3)] == [True, True, True]
+    late = dataclasses.replace(plan, dense_layers=(2, 0))
+    assert [late.selects_at(layer) for layer in range(3)] == [False, False, True]
+    assert not dataclasses.replace(plan, slow=None).selects_at(0)

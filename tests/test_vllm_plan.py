@@ -378,10 +378,11 @@ def test_a_coverage_miss_refreshes_after_the_gap_as_in_the_planner():
     assert requests.probes == (1, 4, 7, 10)  # spread over the layers, as the planner does
     kinds = run_request(requests, 7, 60, 3)
     assert kinds[-2:] == [SELECT, FAST]
-    requests.flag_coverage_miss(requests.requests[7].slot)  # a probe layer flagged step 62
+    flags = [slot == requests.requests[7].slot for slot in range(2)]
+    requests.apply_coverage_flags(flags)  # a probe layer flagged step 62
     plans = [requests.plan([7], [1], [60 + i], [0])[0] for i in (3, 4)]
     assert [(p.kind, p.reason) for p in plans] == [(SLOW, "coverage"), (FAST, None)]
-    requests.flag_coverage_miss(requests.requests[7].slot)  # flagged right after a refresh:
+    requests.apply_coverage_flags(flags)  # flagged right after a refresh:
     plans = [requests.plan([7], [1], [60 + i], [0])[0] for i in (5, 6)]  # waits for the gap
     assert [(p.kind, p.reason) for p in plans] == [(FAST, None), (SLOW, "coverage")]
 

@@ -109,7 +109,7 @@ class SlowFastAttention(AttendingLayer):
         out, logits, attention = block_attention(q, keys, values, plan.block_bias, nq, scale,
                                                  softcap)
         slow = plan.slow
-        if slow is not None and len(plan.dense_at(self.layer_idx)) < len(slow.rows):
+        if slow is not None and plan.selects_at(self.layer_idx):
             windows = set(slow.evidence_windows)
             if len(windows) == 1:  # the block's last w queries' rows (a repair's: its last)
                 w = windows.pop()
@@ -130,7 +130,7 @@ class SlowFastAttention(AttendingLayer):
         """First selection of the rows the plan refreshes, from the last W queries."""
         plan: StepPlan = step.plan
         slow = plan.slow
-        if slow is not None and len(plan.dense_at(self.layer_idx)) < len(slow.rows):
+        if slow is not None and plan.selects_at(self.layer_idx):
             self._select_after_prefill(step, slow, query, scale, softcap)
 
     def decode(self, step: StepContext, q: torch.Tensor, scale: float,

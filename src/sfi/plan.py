@@ -161,6 +161,15 @@ class StepPlan:
         """The coverage probes this layer runs (the fast rows they check, and how)."""
         return [probe for probe in self.probes if probe.layer == layer_idx]
 
+    def selects_at(self, layer_idx: int) -> bool:
+        """Whether a slow row refreshes its memory at ``layer_idx``: the layer is not one of
+        the row's first ``dense_layers`` layers (which read densely at every step), for some
+        slow row."""
+        if self.slow is None:
+            return False
+        dense = self.dense_layers or (0,) * len(self.kinds)
+        return any(dense[row] <= layer_idx for row in self.slow.rows.indices)
+
     def dense_at(self, layer_idx: int) -> tuple[int, ...]:
         """The slow and fast rows that read densely at ``layer_idx`` (one of their first
         ``dense_layers`` layers)."""

@@ -79,7 +79,8 @@ class MethodDiagnosis:
     ``captured_min[step]`` the lowest layer's; ``held_at_answer[answer]`` the share of (layer, KV
     head) memories holding the answer at the step that writes it in full attention's output
     (None when the prompt's last forward writes it, or full attention never does), and
-    ``step_kinds[step]`` whether each of those steps was ``slow`` or ``fast``."""
+    ``step_kinds[step]`` what each of those steps was (``slow``, ``fast``, ``lagged`` or
+    ``dense``: :meth:`sfi.slowfast_cache.SlowFastCache.step_kinds`)."""
 
     method: str
     output: str
@@ -241,7 +242,7 @@ def _captured_mass(model, tokenizer, method, budget, sample, shared, ids, full_t
         position = torch.tensor([total + step], device=ids.device)
         token_t = torch.tensor([token], device=ids.device)
         decode_one(model, sfi_cache, token_t, position)  # the SFI memory of this step
-        kinds.append("slow" if "slow" in sfi_cache.step_kinds() else "fast")
+        kinds.append(sfi_cache.step_kinds()[0])
         held.clear()
         for shares in answers.values():
             shares.clear()

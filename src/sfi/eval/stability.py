@@ -146,8 +146,11 @@ def support_stability(model: torch.nn.Module, tokenizer: Any, ids: torch.Tensor,
     for step in range(ids.shape[1] - context):
         token = int(ids[0, context + step])  # the step's input, as a trigger sees it
         since, since_refresh = since + 1, since_refresh + 1
-        recorder.new_sentence = step == 0 or observe(sentences, token, since) is not None
-        recorder.refresh = step == 0 or observe(refresh_trigger, token, since_refresh) is not None
+        # every input reaches both triggers (the first step's too, as in the engine)
+        boundary = observe(sentences, token, since) is not None
+        due = observe(refresh_trigger, token, since_refresh) is not None
+        recorder.new_sentence = step == 0 or boundary
+        recorder.refresh = step == 0 or due
         if recorder.new_sentence:
             since = 0
             result.boundaries.append(step)

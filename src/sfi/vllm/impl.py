@@ -344,11 +344,10 @@ class _PackTarget:
             memory = plan.memory
             record.selected = selected
             if pages is not None:
+                geometry = MemoryTensors.of([memory], selected.device)
                 record.coverage = SlotCoverage(pages, unheld_pages(
                     selected[None], torch.ones_like(selected[:1], dtype=torch.bool),
-                    torch.tensor([memory.sink_end], device=selected.device),
-                    torch.tensor([memory.recent_start], device=selected.device),
-                    pages=pages.count, page=pages.page))
+                    geometry.lo, geometry.hi, pages=pages.count, page=pages.page))
             positions = memory_positions(memory, selected, _keys_end(plan))  # [H, L]
             block_row = md.block_table[plan.row]
             keys = read_positions(cache_keys, block_row, positions, self.layout.keys)

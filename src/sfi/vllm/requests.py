@@ -19,8 +19,9 @@ The decisions mirror :class:`sfi.planner.Planner` for one sequence without paddi
   attention, then a refresh from its own query at the step's length;
 - otherwise a **fast** step: the row's memory (sinks + selected + recent window, packed in a
   slot of the plugin's buffer) plus the new token. With coverage probes on, the probe layers
-  check every fast (and selecting) row; a row they flag (:meth:`RequestBook.flag_coverage_miss`)
-  refreshes once ``coverage_gap`` steps have passed (reason ``coverage``), as in the planner.
+  check every fast (and selecting) row; a row they flag
+  (:meth:`RequestBook.apply_coverage_flags`) refreshes once ``coverage_gap`` steps have passed
+  (reason ``coverage``), as in the planner.
 
 Triggers see each decode row's input token as the transformers path's do (the sentence
 trigger needs them; the glue records the model's input ids). A slot has room for S + K + R +
@@ -119,7 +120,6 @@ class RequestState:
     seq: SequenceState
     prompt_length: int = 0
     recorded: int = 0  # prompt queries recorded (at most W)
-    length: int = 0  # entries its slot holds (0: no memory)
     seen: int = 0  # the last step it took part in
     serial: int = -1  # which request this is, unique in its book
 
@@ -273,39 +273,31 @@ class RequestBook:
             record_step(seq, SLOW, decode=False, memory=memory, reason=BOOTSTRAP)
             self._count(BOOTSTRAP)
             select = RowPlan(row, SELECT, state.slot, t, memory=memory,
-                             length=memory.read(t - 1) + 1, evidence=state.recorded)
+                             length=memory.read(t), evidence=state.recorded)
         kind, reason = decode_decision(seq, token, t)
-        if kind == FAST and select is None and state.length + 1 > self.capacity:
-            kind, reason = SLOW, CAPACITY
+        if kind == FAST and select is None and seq.memory.read(t) > self.capacity:
+            kind, reason = SLOW, CAPACITY  # the slot holds the memory's reads (sfi.vllm.impl)
         memory = next_memory(seq, t) if kind == SLOW else None
         read = fast_read_fraction(seq, t, self.layers) if kind == FAST else None
         record_step(seq, kind, decode=True, token=token, memory=memory, reason=reason, read=read)
         if kind == DENSE:  # nothing to save yet
             return RowPlan(row, DENSE, state.slot, t)
         if kind == SLOW:  # dense now, then a memory of the step's length
-            state.length = memory.read(t)
             self._count(reason)
-            return RowPlan(row, SLOW, state.slot, t, memory=memory, length=state.length,
+            return RowPlan(row, SLOW, state.slot, t, memory=memory, length=memory.read(t),
                            reason=reason)
         if select is not None:
-            state.length = select.length
             return select
-        state.length += 1
-        return RowPlan(row, FAST, state.slot, t, memory=seq.memory, length=state.length)
+        return RowPlan(row, FAST, state.slot, t, memory=seq.memory, length=seq.memory.read(t))
 
     def apply_coverage_flags(self, flags: Sequence[bool]) -> None:
         """Flag the request in each slot whose ``flags`` entry is set: the probes' misses since
         the last step, which the glue reads in one transfer before each step's decisions (and,
-        under tensor parallelism, ORs over the ranks first, so that every rank decides alike)."""
+        under tensor parallelism, ORs over the ranks first, so that every rank decides alike).
+        A flagged request refreshes once ``coverage_gap`` steps have passed
+        (:func:`decode_decision`)."""
         for state in self.requests.values():
             if state.slot is not None and flags[state.slot]:
-                state.seq.coverage_miss = True
-
-    def flag_coverage_miss(self, slot: int) -> None:
-        """A probe layer found the memory in ``slot`` missing attention mass: its request
-        refreshes once ``coverage_gap`` steps have passed (:func:`decode_decision`)."""
-        for state in self.requests.values():
-            if state.slot == slot:
                 state.seq.coverage_miss = True
 
     def _count(self, reason: str) -> None:
