@@ -93,6 +93,18 @@ class PageSummaries:
         """Whether these summaries cut the cache into the same pages."""
         return self.page == page and self.shift == shift
 
+    @classmethod
+    def kept(cls, previous: PageSummaries | None, page: int,
+             shift: tuple[int, ...] | None = None, length: int | None = None) -> PageSummaries:
+        """``previous`` where it cuts the cache into the same pages and has summarised at most
+        ``length`` positions (the cache's now; None: any), else new summaries: what both
+        engines keep between refreshes and probes (the slab per layer, the vLLM plugin per
+        request and layer)."""
+        if previous is None or not previous.matches(page, shift) or (
+                length is not None and previous.done > length):
+            return cls(page, shift)
+        return previous
+
     def forget_after(self, length: int) -> None:
         """The cache was cut back to ``length`` positions: summarise from there again."""
         self.done = min(self.done, length)

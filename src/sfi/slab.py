@@ -203,8 +203,7 @@ class SlabLayer(CacheLayerMixin):
         t = self.length if upto is None else min(self.length, upto)
         if aligned is None and shift is not None:
             aligned = tuple(shift.tolist())
-        if self._pages is None or not self._pages.matches(page, aligned):
-            self._pages = PageSummaries(page, aligned)
+        self._pages = PageSummaries.kept(self._pages, page, aligned)
         return self._pages.update(self.keys[:, :, :t], shift, capacity=self.capacity)
 
     def _grow(self, needed: int) -> None:

@@ -309,11 +309,9 @@ def _page_summaries(previous: SlotCoverage | None, keys: torch.Tensor, page: int
                     ) -> PageSummaries:
     """A probe layer's page bounds of a request whose keys ``[H, T, D]`` a refresh read: those
     of ``previous`` (its last record) brought up to date, or summarised afresh."""
-    pages = previous.pages if previous is not None else None
-    if pages is None or not pages.matches(page, None) or pages.done > keys.shape[1]:
-        pages = PageSummaries(page)
-    pages.update(keys[None])
-    return pages
+    pages = PageSummaries.kept(previous.pages if previous is not None else None, page,
+                               length=keys.shape[1])
+    return pages.update(keys[None])
 
 
 @dataclass(frozen=True)
