@@ -592,3 +592,12 @@ def test_memory_tensors_hold_each_memorys_geometry_and_its_selected_slots():
         assert by_sink[row].nonzero().flatten().tolist() == list(range(m.sink, m.sink + m.k))
         assert packed[row].nonzero().flatten().tolist() == list(
             range(m.sink_count, m.sink_count + m.k))
+
+
+def test_page_shifts_of_python_pads_are_page_shift_of_the_tensor():
+    from sfi.pages import page_shift, page_shifts
+
+    for pads in ([0, 3, 17, 32], [0, 0], [16, 32], [5]):
+        shift = page_shift(torch.tensor(pads), 16)
+        assert page_shifts(pads, 16) == (None if shift is None else tuple(shift.tolist()))
+    assert page_shifts([0, 16], 16) is None and page_shifts([1], 16) == (15,)

@@ -10,6 +10,7 @@ Shapes: B rows, H KV heads, T positions, D head size, P pages.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,13 @@ def page_shift(pads: torch.Tensor, page: int) -> torch.Tensor | None:
     0 (pages aligned at position 0)."""
     shift = (-pads) % page
     return shift if bool(shift.any()) else None
+
+
+def page_shifts(pads: Sequence[int], page: int) -> tuple[int, ...] | None:
+    """:func:`page_shift` of ``pads`` given as Python ints (what a plan keys its page
+    summaries by, read without the device): None when every shift is 0."""
+    shift = tuple(-pad % page for pad in pads)
+    return shift if any(shift) else None
 
 
 def page_count(length: int, page: int, shift: torch.Tensor | None = None) -> int:

@@ -27,6 +27,7 @@ from sfi.coverage import probe_layers, probe_page
 from sfi.kernels import additive_bias, evidence_bias
 from sfi.memory_tensors import MemoryTensors
 from sfi.notices import notice_once
+from sfi.pages import page_shifts
 from sfi.plan import (
     BLOCK_PHASES,
     DENSE_STEP,
@@ -178,8 +179,7 @@ class Planner:
         probes = []
         pads = [seq.pad for seq in self.sequences]
         for (page, top, threshold, next_page, copy_share), rows in groups.items():
-            aligned = tuple(-p % page for p in pads)  # sfi.pages.page_shift, in Python
-            aligned = aligned if any(aligned) else None
+            aligned = page_shifts(pads, page)
             shift = torch.tensor(aligned, device=device) if aligned else None
             memories = [self.sequences[r].memory for r in rows]
             geometry = MemoryTensors.of(memories, device)
