@@ -200,8 +200,7 @@ def test_a_slow_step_outside_sfis_loops_says_it_did_not_repair(caplog, monkeypat
 
 def test_a_slow_row_refreshes_at_its_own_sparse_layers_whatever_other_rows_read():
     """A repairing step's block refreshes a slow row at every layer past its own
-    ``dense_layers``, even where a fast row of the batch with more dense layers reads densely
-    (a count of the rows dense at the layer against the slow rows skipped it there)."""
+    ``dense_layers``, even where a fast row of the batch with more dense layers reads densely."""
     from types import SimpleNamespace
 
     from sfi.plan import REPAIR, StepPlan

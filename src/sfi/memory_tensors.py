@@ -19,7 +19,7 @@ from sfi.sequence_policy import Memory
 
 @dataclass(frozen=True)
 class MemoryTensors:
-    """``[n]`` long tensors of n memories, each the :class:`Memory` field of its name.
+    """``[n]`` long tensors of n memories, one per :class:`Memory` field (names below).
 
     Attributes:
         pad: first real position; sink: S, the slots before the selected ones in a buffer
@@ -38,6 +38,8 @@ class MemoryTensors:
 
     @classmethod
     def of(cls, memories: Sequence[Memory], device: torch.device | str) -> MemoryTensors:
+        """The ``[n]`` fields of ``memories`` (n >= 1) on ``device``, in one host-to-device
+        copy."""
         rows = [(m.pad, m.sink, m.sink_end, m.recent_start, m.k, m.pinned) for m in memories]
         table = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.long, device=device)
         return cls(*table)  # each field a contiguous row of the [6, n] table
