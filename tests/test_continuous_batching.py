@@ -140,6 +140,50 @@ def test_each_sequence_keeps_its_own_config_and_scorer_in_a_merged_batch():
 
 
 @torch.inference_mode()
+def test_a_slow_row_refreshes_only_at_the_layers_it_reads_sparsely(monkeypatch):
+    """Merged with a row whose config keeps no layer dense, a row that keeps its first layer
+    dense refreshes its memory at the other layers only (its compact buffer at layer 0 is
+    never read), and each row still gets its lone logits."""
+    from sfi.layer_attention import SlowFastAttention
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(13)
+    first, second = torch.randint(1, 256, (1, 50), generator=g), torch.randint(1, 256, (1, 37),
+                                                                                 generator=g)
+    config_a = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed",
+                         period=50)
+    config_b = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed",
+                         period=3, dense_layers=1)
+    steps = 10
+    alone_a = _alone(model, first, steps, config=config_a)
+    alone_b = _alone(model, second, steps, config=config_b)
+    batch, joiner = SlowFastCache(model, config_a), SlowFastCache(model, config_b)
+    a = _step(model, batch, first, torch.arange(50)[None])
+    b = _step(model, joiner, second, torch.arange(37)[None])
+    batch.merge(joiner)
+    refreshed: list[tuple[int, tuple[int, ...]]] = []
+    refresh = SlowFastAttention._refresh
+
+    def spy(self, step, slow, *args, **kwargs):
+        refreshed.append((self.layer_idx, slow.rows.indices))
+        return refresh(self, step, slow, *args, **kwargs)
+
+    monkeypatch.setattr(SlowFastAttention, "_refresh", spy)
+    tokens = torch.cat([a.argmax(-1, keepdim=True), b.argmax(-1, keepdim=True)])
+    b_alone_slow = 0
+    for step in range(1, steps + 1):
+        refreshed.clear()
+        logits = _step(model, batch, tokens, torch.tensor([[50 + step - 1], [37 + step - 1]]))
+        torch.testing.assert_close(logits[0], alone_a[step], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[1], alone_b[step], atol=2e-5, rtol=1e-5)
+        if batch.step_kinds() == ("fast", "slow"):
+            b_alone_slow += 1
+            assert sorted(layer for layer, _ in refreshed) == list(range(1, len(batch.layers)))
+        tokens = logits.argmax(-1, keepdim=True)
+    assert b_alone_slow >= 1
+
+
+@torch.inference_mode()
 def test_a_reserved_slab_takes_joins_and_leaves_without_copying_the_batch():
     """Rows join into a slab reserved in advance and leave by giving their row back: a shorter
     joiner is written into a free row, a leaver's row is filled from below, the trimmed

@@ -155,8 +155,8 @@ class SlowFastAttention(AttendingLayer):
             return out
         if plan.dense:
             dense(plan.dense)
-        if plan.slow:
-            dense(plan.slow.rows, plan.slow)
+        if plan.slow:  # refreshed where some slow row reads the layer sparsely
+            dense(plan.slow.rows, plan.slow if plan.selects_at(self.layer_idx) else None)
         if plan.fast:
             fast, width = plan.fast, plan.compact_width
             rows = fast.rows
@@ -178,8 +178,9 @@ class SlowFastAttention(AttendingLayer):
                 if lagging:
                     dense(lagging)
                     step.record_lag(lagging.indices)
-            if forced:
-                dense(rows.intersect(Rows(forced, len(plan.kinds), q.device)))
+            forced_fast = rows.intersect(Rows(forced, len(plan.kinds), q.device))
+            if forced_fast:  # fast rows that read this layer densely
+                dense(forced_fast)
             for probe in probes:
                 self._probe_coverage(step, plan, probe, q, lse[0], scale, softcap,
                                      logits[0] if logits else None)
