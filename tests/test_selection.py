@@ -594,6 +594,20 @@ def test_memory_tensors_hold_each_memorys_geometry_and_its_selected_slots():
             range(m.sink_count, m.sink_count + m.k))
 
 
+def test_a_memorys_positions_and_mask_are_its_sinks_selected_and_recent_window():
+    from sfi.memory_tensors import memory_mask, memory_positions
+    from sfi.sequence_policy import Memory
+
+    memory = Memory(pad=3, sink=2, sink_end=5, recent_start=40, k=2)
+    selected = torch.tensor([[7, 30], [12, 13]])
+    positions = memory_positions(memory, selected, 44)
+    assert positions.tolist() == [[3, 4, 7, 30, 40, 41, 42, 43], [3, 4, 12, 13, 40, 41, 42, 43]]
+    mask = memory_mask(memory, selected, 44)
+    assert mask.shape == (2, 44)
+    for head in range(2):
+        assert mask[head].nonzero().flatten().tolist() == positions[head].tolist()
+
+
 def test_page_shifts_of_python_pads_are_page_shift_of_the_tensor():
     from sfi.pages import page_shift, page_shifts
 

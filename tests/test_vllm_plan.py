@@ -14,6 +14,7 @@ import torch
 import sfi
 from sfi import SFIConfig
 from sfi.errors import SFIConfigError
+from sfi.memory_tensors import memory_positions
 from sfi.refresh_selection import SelectionRule, select
 from sfi.scorers.registry import make_scorer
 from sfi.sequence_policy import refresh_memory
@@ -24,7 +25,6 @@ from sfi.vllm.paged import (
     DIM_MAJOR,
     RequestRefresh,
     empty_like_cache,
-    memory_positions,
     probe_layout,
     read_blocks,
     read_positions,

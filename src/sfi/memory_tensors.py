@@ -2,9 +2,12 @@
 
 Both engines turn the memories of a step's rows into the same ``[n]`` tensors (where each
 middle region lies, how many positions each selects and pins) and into masks over the slots of
-their buffers; :class:`MemoryTensors` builds them in one host-to-device copy.
+their buffers; :class:`MemoryTensors` builds them in one host-to-device copy. One memory's
+positions, in the order a buffer lays them out (:func:`memory_positions`) or as a mask over
+the cache (:func:`memory_mask`), are what the vLLM plugin packs and what the evaluations
+measure a memory's hold by.
 
-Shapes: n memories, C slots of a memory's buffer.
+Shapes: n memories, C slots of a memory's buffer, H KV heads, k selected positions per head.
 """
 
 from __future__ import annotations
@@ -55,3 +58,21 @@ class MemoryTensors:
         in one that packs a row's sinks, selection and recent window one after another)."""
         slot = torch.arange(width, device=self.k.device)[None, :]
         return (slot >= first[:, None]) & (slot < (first + self.k)[:, None])
+
+
+def memory_positions(memory: Memory, selected: torch.Tensor, end: int) -> torch.Tensor:
+    """``[H, L]`` the positions a fast memory holds at cache length ``end``, in slot order:
+    the sinks ``[pad, sink_end)``, the ``selected [H, k]`` positions, the recent window
+    ``[recent_start, end)``."""
+    h, device = selected.shape[0], selected.device
+    sinks = torch.arange(memory.pad, memory.sink_end, device=device)
+    recent = torch.arange(memory.recent_start, end, device=device)
+    return torch.cat([sinks.expand(h, -1), selected, recent.expand(h, -1)], dim=-1)
+
+
+def memory_mask(memory: Memory, selected: torch.Tensor, length: int) -> torch.Tensor:
+    """``[H, length]`` bool: which positions of a cache of ``length`` the memory holds (its
+    :func:`memory_positions`, on ``selected``'s device)."""
+    held = memory_positions(memory, selected, length)
+    mask = torch.zeros(selected.shape[0], length, dtype=torch.bool, device=selected.device)
+    return mask.scatter_(-1, held, True)

@@ -30,6 +30,7 @@ from sfi.eval.runner import WINDOW, greedy_continue
 from sfi.eval.tasks import Sample, score
 from sfi.eviction.masked_cache import EvictionCache
 from sfi.hf import eos_token_ids
+from sfi.memory_tensors import memory_mask
 from sfi.methods import budget_tokens, build_cache, parse_method
 from sfi.prefill import prefill
 from sfi.prefix import SharedPrefill
@@ -137,12 +138,7 @@ def _memory_mask(cache: SlowFastCache, layer: int, length: int) -> torch.Tensor:
     memory = cache.memory(0)
     if memory is None or cache.reads_densely(layer, 0):
         return torch.ones(cache.layers[layer].keys.shape[1], length, dtype=torch.bool)
-    chosen = cache.selected_positions(layer, 0)
-    mask = torch.zeros(chosen.shape[0], length, dtype=torch.bool)
-    mask[:, memory.pad: memory.sink_end] = True
-    mask[:, memory.recent_start:] = True
-    mask.scatter_(-1, chosen.cpu(), True)
-    return mask
+    return memory_mask(memory, cache.selected_positions(layer, 0).cpu(), length)
 
 
 @torch.inference_mode()

@@ -26,10 +26,11 @@ from sfi.decode_step import decode_one
 from sfi.errors import SFIError
 from sfi.eviction.layer import EvictionLayer
 from sfi.eviction.masked_cache import EvictionCache
+from sfi.memory_tensors import memory_mask
 from sfi.prefill import prefill
 from sfi.scorers import make_evidence
 from sfi.selector import SFISelector, top_k_positions
-from sfi.sequence_policy import refresh_memory
+from sfi.sequence_policy import Memory, refresh_memory
 from sfi.triggers import SentenceTrigger, make_trigger, observe, token_classes
 
 SINCE_BINS = (1, 2, 4, 8, 16, 32, 64)
@@ -92,30 +93,28 @@ class _Recorder:
             self.step["to_boundary"].append(float(jaccard(support, self.at_boundary[i]).mean()))
             self.previous[i] = support
         if self.refresh or self.memory[i] is None:
-            self.memory[i] = self._select(layer, attention, lo, hi, memory.k)
+            self.memory[i] = self._select(layer, attention, memory)
         fast_memory = self.memory[i]
         grown = torch.ones(fast_memory.shape[0], t - fast_memory.shape[1], dtype=torch.bool,
                            device=fast_memory.device)  # tokens generated since the refresh
         self.step["captured"].append(float((mass * torch.cat([fast_memory, grown], -1)).sum(-1)
                                            .mean()))
 
-    def _select(self, layer: EvictionLayer, attention: torch.Tensor, lo: int,
-                hi: int, k: int) -> torch.Tensor:
-        """SFI's fast memory after a slow step with this attention: ``[H, T]`` bool."""
-        t = attention.shape[-1]
-        h = attention.shape[1]
-        positions = torch.arange(t, device=attention.device)
-        candidates = ((positions >= lo) & (positions < hi))[None]
-        memory = (positions < lo) | (positions >= hi)
-        memory = memory[None].expand(h, t).clone()
-        if k > 0:
+    def _select(self, layer: EvictionLayer, attention: torch.Tensor,
+                memory: Memory) -> torch.Tensor:
+        """SFI's fast ``memory`` after a slow step with this attention: ``[H, T]`` bool."""
+        t, h = attention.shape[-1], attention.shape[1]
+        lo, hi = memory.sink_end, memory.recent_start
+        chosen = torch.zeros(1, h, 0, dtype=torch.long, device=attention.device)
+        if memory.k > 0:
+            positions = torch.arange(t, device=attention.device)
+            candidates = ((positions >= lo) & (positions < hi))[None]
             evidence = make_evidence(attention.clamp_min(1e-30).log(), layer.layer_idx,
                                      torch.tensor([lo]), torch.tensor([hi]), keys=layer.keys,
                                      candidates=candidates)
             chosen, _ = top_k_positions(self.selector.score(evidence), candidates,
-                                        torch.tensor([k]), page=self.config.page_size)
-            memory.scatter_(-1, chosen[0], True)
-        return memory
+                                        torch.tensor([memory.k]), page=self.config.page_size)
+        return memory_mask(memory, chosen[0], t)
 
 
 @torch.inference_mode()

@@ -20,7 +20,7 @@ import torch
 
 from sfi.coverage import copy_runs_out, page_scores, pages_miss, probe_page, unheld_pages
 from sfi.kernels import attention_logits
-from sfi.memory_tensors import MemoryTensors
+from sfi.memory_tensors import MemoryTensors, memory_positions
 from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
 from sfi.refresh_selection import SelectionGroup, SelectionRule
@@ -31,7 +31,6 @@ from sfi.vllm.paged import (
     CacheLayout,
     RequestRefresh,
     empty_like_cache,
-    memory_positions,
     probe_layout,
     read_blocks,
     read_positions,

@@ -192,16 +192,6 @@ def read_positions(half: torch.Tensor, block_row: torch.Tensor, positions: torch
     return half.reshape(nb, h, bs * d)[blocks[..., None], heads[..., None], where]
 
 
-def memory_positions(memory: Memory, selected: torch.Tensor, end: int) -> torch.Tensor:
-    """``[H, L]`` the positions a fast memory holds, in slot order: the sinks
-    ``[pad, sink_end)``, the ``selected [H, k]`` positions, the recent window
-    ``[recent_start, end)``."""
-    h, device = selected.shape[0], selected.device
-    sinks = torch.arange(memory.pad, memory.sink_end, device=device)
-    recent = torch.arange(memory.recent_start, end, device=device)
-    return torch.cat([sinks.expand(h, -1), selected, recent.expand(h, -1)], dim=-1)
-
-
 @dataclass(frozen=True)
 class RequestRefresh:
     """One request's refresh at a step, as read from the paged cache.
