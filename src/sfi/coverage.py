@@ -270,13 +270,11 @@ def copy_runs_out(memory_logits: torch.Tensor, lse: torch.Tensor, memory: torch.
         held: ``[n, C]`` bool, the slots holding a selected position (not the sinks).
         hi: ``[n]`` where each row's recent window starts (its middle region's end).
     """
-    none = torch.zeros(memory_logits.shape[0], dtype=torch.bool, device=memory_logits.device)
     if memory_logits.shape[-1] == 0:  # no compact slot: nothing selected to copy from
-        return none
+        return torch.zeros(memory_logits.shape[0], dtype=torch.bool,
+                           device=memory_logits.device)
     log_share = (memory_logits - lse[..., None]).masked_fill(~held[:, None, None, :],
                                                              float("-inf"))
-    if memory_logits.device.type == "cpu" and not bool((log_share > math.log(share)).any()):
-        return none  # no head gives any selected position that share (most steps)
     best = log_share.max(dim=-1)  # [n, H, G]
     following = memory.gather(-1, best.indices) + 1  # [n, H, G]
     selected = memory.masked_fill(~held[:, None, :], -1)  # [n, H, C]
