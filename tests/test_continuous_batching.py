@@ -143,7 +143,7 @@ def test_each_sequence_keeps_its_own_config_and_scorer_in_a_merged_batch():
 def test_a_slow_row_refreshes_only_at_the_layers_it_reads_sparsely(monkeypatch):
     """Merged with a row whose config keeps no layer dense, a row that keeps its first layer
     dense refreshes its memory at the other layers only (its compact buffer at layer 0 is
-    never read), and each row still gets its lone logits."""
+    never read) and is probed there only, and each row still gets its lone logits."""
     from sfi.layer_attention import SlowFastAttention
 
     model = tiny_model("llama")
@@ -169,6 +169,14 @@ def test_a_slow_row_refreshes_only_at_the_layers_it_reads_sparsely(monkeypatch):
         return refresh(self, step, slow, *args, **kwargs)
 
     monkeypatch.setattr(SlowFastAttention, "_refresh", spy)
+    probed: list[tuple[int, tuple[int, ...]]] = []
+    probe = SlowFastAttention._probe_coverage
+
+    def probe_spy(self, step, plan, what, *args):
+        probed.append((self.layer_idx, what.target.rows.indices))
+        return probe(self, step, plan, what, *args)
+
+    monkeypatch.setattr(SlowFastAttention, "_probe_coverage", probe_spy)
     tokens = torch.cat([a.argmax(-1, keepdim=True), b.argmax(-1, keepdim=True)])
     b_alone_slow = 0
     for step in range(1, steps + 1):
@@ -181,6 +189,11 @@ def test_a_slow_row_refreshes_only_at_the_layers_it_reads_sparsely(monkeypatch):
             assert sorted(layer for layer, _ in refreshed) == list(range(1, len(batch.layers)))
         tokens = logits.argmax(-1, keepdim=True)
     assert b_alone_slow >= 1
+    assert {layer for layer, rows in probed if 1 in rows} == {1}  # its probes: sparse layers
+    assert {layer for layer, rows in probed if 0 in rows} == {0, 1}
+    with pytest.raises(SFIError, match="reads layer 0 densely"):
+        batch.selected_positions(0, 1)
+    assert batch.selected_positions(1, 1).shape[-1] == 8
 
 
 @torch.inference_mode()

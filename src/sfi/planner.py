@@ -167,7 +167,7 @@ class Planner:
     def _probes(self, fast_rows: list[int], width: int, device: torch.device
                 ) -> tuple[Probe, ...]:
         """Which fast rows each probe layer checks, and how."""
-        groups: dict[tuple[int, int, float, bool, float], list[int]] = {}
+        groups: dict[tuple[int, int, float, bool, float, int, int], list[int]] = {}
         for row in fast_rows:
             c = self.sequences[row].config
             # a row already flagged refreshes as soon as its gap allows: probing it again
@@ -175,10 +175,11 @@ class Planner:
             if c.coverage_layers and not self.sequences[row].coverage_miss:
                 page = probe_page(c)
                 groups.setdefault((page, c.coverage_top, c.coverage_threshold, c.coverage_next,
-                                   c.coverage_copy), []).append(row)
+                                   c.coverage_copy, c.coverage_layers, c.dense_layers),
+                                  []).append(row)
         probes = []
         pads = [seq.pad for seq in self.sequences]
-        for (page, top, threshold, next_page, copy_share), rows in groups.items():
+        for (page, top, threshold, next_page, copy_share, layers, dense), rows in groups.items():
             aligned = page_shifts(pads, page)
             shift = torch.tensor(aligned, device=device) if aligned else None
             memories = [self.sequences[r].memory for r in rows]
@@ -188,8 +189,7 @@ class Planner:
                 torch.tensor([fast_rows.index(r) for r in rows], device=device),
                 geometry.lo, geometry.hi, geometry.selected_slots(width, geometry.sink),
                 max(m.recent_start for m in memories))
-            c = self.sequences[rows[0]].config
-            for layer in probe_layers(c.coverage_layers, self.layer_ids, c.dense_layers):
+            for layer in probe_layers(layers, self.layer_ids, dense):  # none the rows read densely
                 probes.append(Probe(layer, page, top, threshold, target, shift, aligned,
                                     next_page, copy_share))
         return tuple(probes)

@@ -316,9 +316,13 @@ class SlowFastCache(WritesInAttention, Cache):
                 or layer_idx < self.planner.sequences[row].config.dense_layers)
 
     def selected_positions(self, layer_idx: int, row: int) -> torch.Tensor:
-        """``[H, k]`` the positions selected for sequence ``row`` at layer ``layer_idx``."""
+        """``[H, k]`` the positions selected for sequence ``row`` at layer ``layer_idx`` (a
+        layer it reads sparsely: at its dense layers nothing is selected)."""
         layer = self.layers[layer_idx]
         memory = self.memory(row)
+        if self.reads_densely(layer_idx, row):
+            raise SFIError(f"sequence {row} reads layer {layer_idx} densely: nothing is selected "
+                           "there")
         if isinstance(layer, SlabLayer):
             self.attention[layer_idx].settle(wait=True)
         if not isinstance(layer, SlabLayer) or layer.compact_positions is None or memory is None:
