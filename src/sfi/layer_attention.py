@@ -178,9 +178,10 @@ class SlowFastAttention(AttendingLayer):
                 if lagging:
                     dense(lagging)
                     step.record_lag(lagging.indices)
-            forced_fast = rows.intersect(Rows(forced, len(plan.kinds), q.device))
-            if forced_fast:  # fast rows that read this layer densely
-                dense(forced_fast)
+            if forced:  # fast rows among them read this layer densely
+                forced_fast = rows.intersect(Rows(forced, len(plan.kinds), q.device))
+                if forced_fast:
+                    dense(forced_fast)
             for probe in probes:
                 self._probe_coverage(step, plan, probe, q, lse[0], scale, softcap,
                                      logits[0] if logits else None)
