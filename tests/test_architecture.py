@@ -74,7 +74,8 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 # what either engine's own mechanics are made of
 LOOP = {"sfi.decode", "sfi.prefill", "sfi.decode_step", "sfi.stopping"}  # the transformers loop
 ENGINES = {"sfi.slowfast_cache", "sfi.layer_attention", "sfi.slab", "sfi.hf", "sfi.attention",
-           *LOOP, "sfi.vllm.backend", "sfi.vllm.impl", "sfi.vllm.metadata", "sfi.vllm.requests"}
+           *LOOP, "sfi.vllm.backend", "sfi.vllm.impl", "sfi.vllm.metadata", "sfi.vllm.builder",
+           "sfi.vllm.requests"}
 TRANSFORMERS_PATH = {"sfi.planner", "sfi.layer_attention", "sfi.slab", "sfi.slowfast_cache",
                      "sfi.hf", *LOOP, "sfi.methods", "sfi.bench", "sfi.bench.throughput",
                      "sfi.bench.vllm", "sfi.eval", "sfi.eval.runner", "sfi.eval.fidelity"}
@@ -107,8 +108,8 @@ STORAGE_MUST_NOT_SEE = {"sfi.planner", "sfi.layer_attention", "sfi.attention", "
     ("sfi.slab", STORAGE_MUST_NOT_SEE),
     # the vLLM plugin shares the core, not the transformers path's batch plan or tensors
     *[(module, TRANSFORMERS_PATH) for module in
-      ("sfi.vllm.requests", "sfi.vllm.paged", "sfi.vllm.metadata", "sfi.vllm.impl",
-       "sfi.vllm.backend", "sfi.vllm.settings", "sfi.vllm")],
+      ("sfi.vllm.requests", "sfi.vllm.paged", "sfi.vllm.metadata", "sfi.vllm.builder",
+       "sfi.vllm.impl", "sfi.vllm.backend", "sfi.vllm.settings", "sfi.vllm")],
     ("sfi.eviction.layer", {"sfi.eviction.masked_cache", "sfi.eviction.policies",
                             "sfi.slowfast_cache"}),
 ])

@@ -15,7 +15,7 @@ from vllm.v1.attention.backend import AttentionCGSupport
 
 from sfi import SFIConfig
 from sfi.vllm import configure
-from sfi.vllm.metadata import SFIBuilder
+from sfi.vllm.builder import SFIBuilder
 
 
 @dataclass
@@ -145,7 +145,7 @@ def test_layers_the_config_and_vllm_see_apart_are_refused():
     """The book places its probes and counts a fast step's reads over the layers the model's
     config gives SFI; vLLM decides per layer from its KV cache spec. Where they disagree the
     probes would be silently off: refused, naming the layers."""
-    from sfi.vllm.metadata import check_layers
+    from sfi.vllm.builder import check_layers
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     check_layers((1, 3), names[1::2], full=True)

@@ -202,8 +202,8 @@ def host_reads_per_step() -> Iterator[list[tuple[SFIMetadata, list[str]]]]:
         def read(self, *args, **kwargs):
             frame = sys._getframe(1)
             caller = f"{frame.f_globals.get('__name__', '')}.{frame.f_code.co_name}"
-            # (sfi.vllm.metadata._on_host reads vLLM's host copies, refusing device tensors)
-            if steps and caller.startswith("sfi.") and not caller.endswith("._on_host"):
+            # (sfi.vllm.metadata.on_host reads vLLM's host copies, refusing device tensors)
+            if steps and caller.startswith("sfi.") and not caller.endswith(".on_host"):
                 steps[-1][1].append(f"{caller}: {name}")
             return original(self, *args, **kwargs)
         return read
@@ -274,7 +274,7 @@ def test_what_sfi_cannot_run_under_is_refused_by_name():
     SFI_VLLM set, or at the first step after :func:`sfi.vllm.configure`), naming the flag."""
     from types import SimpleNamespace as Config
 
-    from sfi.vllm.metadata import refuse_unsupported
+    from sfi.vllm.builder import refuse_unsupported
 
     def engine(pipeline: int = 1, speculative: object = None) -> Config:
         return Config(cache_config=Config(enable_prefix_caching=False, cache_dtype="auto"),

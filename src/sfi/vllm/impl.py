@@ -120,7 +120,10 @@ class SFIImpl:
             return stock(layer, query, key, value, kv_cache, md, output, output_scale,
                          output_block_scale)
         requests = md.book
-        md.plan()
+        if not md.planned:
+            raise RuntimeError(
+                "sfi.vllm: a step reached an attention layer unplanned: neither the model's "
+                "forward (sfi's recording class) nor the metadata builder planned it")
         if self.layer_idx is None:
             self.layer_idx = layer_index(layer.layer_name)
         if self.layer_idx < requests.config.dense_layers:

@@ -1,22 +1,21 @@
-"""One step's attention metadata under SFI, and the builder that makes it.
+"""One step's attention metadata under SFI: what the step's rows do and the stock metadata of
+each part.
 
-:class:`SFIBuilder` is mixed into a stock metadata builder (first in the bases). It records the
-batch's shapes in an :class:`SFIMetadata` together with the request book of the configuration
-in force; when the step's first attention layer runs (the model has by then attached its input
-ids, which the triggers observe), :meth:`SFIMetadata.plan` has the book decide every row and
-vLLM's own builder makes the stock metadata of each part: the rows that read vLLM's cache
-(prefill, dense and slow rows: their real block tables) and the fast rows, whose block table
-lists their slot's blocks in the plugin's buffer and whose ``seq_len`` is the slot's length.
-The impl (:mod:`sfi.vllm.impl`) reads only this metadata: nothing on the step path is kept in
-module state.
+An :class:`SFIMetadata` (made by :class:`sfi.vllm.builder.SFIBuilder`) holds the batch's shapes
+and the request book of the configuration in force; before the step's first layer runs (when the
+model's forward attaches its input ids, which the triggers observe, or at build where the
+model's class records none), :meth:`SFIMetadata.plan` has the book decide every row, and vLLM's
+own builder makes the stock metadata of each part: the rows that read vLLM's cache (prefill,
+dense and slow rows: their real block tables) and the fast rows, whose block table lists their
+slot's blocks in the plugin's buffer and whose ``seq_len`` is the slot's length. The impl
+(:mod:`sfi.vllm.impl`) reads only this metadata: nothing on the step path is kept in module
+state.
 """
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -24,25 +23,12 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from sfi.cost_model import slow_fast_layers, weight_positions
 from sfi.overlap import StackingRebuilder
-from sfi.scorers.registry import make_scorer
-from sfi.triggers import token_classes
-from sfi.vllm.requests import (
-    DENSE,
-    FAST,
-    SELECT,
-    SLOW,
-    RequestBook,
-    RowPlan,
-    blocks_per_slot,
-    slot_capacity,
-)
-from sfi.vllm.settings import active_config, active_slots, plugin_state
+from sfi.vllm.requests import DENSE, FAST, SELECT, SLOW, RequestBook, RowPlan
+from sfi.vllm.settings import plugin_state
 
-log = logging.getLogger(__name__)
 
 def book() -> RequestBook | None:
     """The request book of the configuration in force in this process (None until an SFI
@@ -56,7 +42,10 @@ TOKEN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
                        "Qwen3ForCausalLM")
 
 
-def _on_host(values: torch.Tensor) -> list[int]:
+STOCK_ENTRY = "_sfi_stock_entry"  # where a recording class keeps the registry entry it replaced
+
+
+def on_host(values: torch.Tensor) -> list[int]:
     """The values of one of the tensors vLLM keeps on the host (reading them waits for no
     device)."""
     if values.device.type != "cpu":
@@ -97,55 +86,6 @@ def _host_inputs(md: SFIMetadata) -> tuple[list[int] | None, list[int], list[int
     return tokens, keys, seq_lens, [bool(v) for v in values]
 
 
-def refuse_unsupported(vllm_config: Any) -> None:
-    """Raise, naming it, what an engine with SFI on cannot run: prefix caching, a quantized KV
-    cache, decode context parallelism, pipeline parallelism (later stages get no input ids,
-    and each stage would decide alone) and speculative decoding (its verify rows are several
-    queries per request, and the drafter's metadata would make a second plan per step)."""
-    cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
-    if cache.enable_prefix_caching:
-        raise RuntimeError("SFI in vLLM needs prefix caching off "
-                           "(--no-enable-prefix-caching, or enable_prefix_caching=False)")
-    if cache.cache_dtype not in ("auto", None):
-        raise RuntimeError("SFI in vLLM needs an unquantized KV cache (kv_cache_dtype=auto), "
-                           f"not {cache.cache_dtype!r}")
-    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
-        raise RuntimeError("SFI in vLLM does not support decode context parallelism "
-                           "(--decode-context-parallel-size 1)")
-    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-        raise RuntimeError("SFI in vLLM does not support pipeline parallelism "
-                           "(--pipeline-parallel-size 1; tensor parallelism is supported)")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise RuntimeError("SFI in vLLM does not support speculative decoding "
-                           "(no --speculative-config), or unset SFI_VLLM")
-
-
-def _book_for(vllm_config: Any) -> RequestBook | None:
-    """The request book of the configuration in force (made at its first step, and kept by
-    the plugin's state), or None with SFI off."""
-    state = plugin_state()
-    config = state.config
-    if config is None:
-        return None
-    if state.book is None:
-        refuse_unsupported(vllm_config)
-        capacity = slot_capacity(config, vllm_config.model_config.max_model_len)
-        classes = None
-        if config.trigger == "sentence":
-            from transformers import AutoTokenizer  # the engine's own tokenizer files
-
-            model = vllm_config.model_config
-            classes = token_classes(AutoTokenizer.from_pretrained(
-                model.tokenizer, revision=model.tokenizer_revision,
-                trust_remote_code=model.trust_remote_code))
-        text = vllm_config.model_config.hf_text_config
-        state.book = RequestBook(
-            config, active_slots(vllm_config.scheduler_config.max_num_seqs), capacity,
-            make_scorer("sfi", config), classes, slow_fast_layers(text),
-            weight_positions(text))
-    return state.book
-
-
 def _query_tokens(starts: list[int], rows: list[int], device: torch.device) -> torch.Tensor:
     """``[n]`` the query tokens of ``rows`` (``starts``: the batch's query start offsets)."""
     return torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(device)
@@ -184,35 +124,11 @@ def _rows_of(common: CommonAttentionMetadata, rows: list[int], starts: list[int]
                    slot_mapping=common.slot_mapping.index_select(0, tokens))
 
 
-# A stock builder's buffers that its metadata may share by design: Triton's scratch space,
-# used within one kernel call (SFI runs the parts one after another on one stream).
-SCRATCH_BUFFERS = frozenset({"softmax_segm_output", "softmax_segm_max", "softmax_segm_expsum"})
-
-
-def _own_copy(metadata: Any, builder: Any) -> Any:
-    """``metadata`` (a stock backend's dataclass) with a copy of each tensor that shares memory
-    with one of ``builder``'s own tensors (other than :data:`SCRATCH_BUFFERS`)."""
-    buffers = [t for name, t in vars(builder).items()
-               if isinstance(t, torch.Tensor) and name not in SCRATCH_BUFFERS]
-    if not buffers or not is_dataclass(metadata):
-        return metadata
-    owned = {t.untyped_storage().data_ptr() for t in buffers}
-    shared = {f.name: value.clone() for f in fields(metadata)
-              if f.init and isinstance(value := getattr(metadata, f.name, None), torch.Tensor)
-              and value.untyped_storage().data_ptr() in owned}
-    return replace(metadata, **shared) if shared else metadata
-
-
-def _full_graphs(vllm_config: Any) -> bool:
-    """Whether the engine captures whole steps, attention included, in CUDA graphs."""
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    return bool(mode is not None and mode.has_full_cudagraphs())
-
-
 @dataclass
 class SFIMetadata:
-    """One step's metadata for every layer, planned when the step's first layer runs (by then
-    the model has recorded the input tokens the triggers observe).
+    """One step's metadata for every layer, planned before the first layer runs: where the
+    model's forward records the input tokens the triggers observe, and by the builder where
+    the model's class records none (:func:`records_input_ids`). The impl only reads it.
 
     Attributes:
         common: vLLM's metadata of the whole batch; builder: the builder that made this;
@@ -238,7 +154,7 @@ class SFIMetadata:
     """
 
     common: CommonAttentionMetadata
-    builder: SFIBuilder
+    builder: Any  # the sfi.vllm.builder.SFIBuilder that made this (its stock build)
     book: RequestBook
     key_column: torch.Tensor
     query_lens: list[int]
@@ -264,7 +180,7 @@ class SFIMetadata:
     rebuilder: StackingRebuilder = field(default_factory=StackingRebuilder)
 
     def plan(self) -> None:
-        """Decide every row (once per step, when the first layer runs) and build the stock
+        """Decide every row (once per step, before its first layer runs) and build the stock
         metadata of each part."""
         if self.planned:
             return
@@ -314,91 +230,6 @@ class SFIMetadata:
         self.fast_slot_index = torch.tensor([p.slot for p in fast_plans], device=device)
 
 
-class SFIBuilder:
-    """Mixed into a stock metadata builder (first in the bases): the step's metadata becomes an
-    :class:`SFIMetadata`, and the stock ``build`` runs once per part of the batch."""
-
-    supports_update_block_table = False
-    _layers_checked = False  # check_layers ran for this builder's layers
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if active_config() is not None:  # SFI_VLLM set: refuse at engine start
-            refuse_unsupported(self.vllm_config)
-
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
-        """What vLLM may capture in CUDA graphs, asked once at engine start: the stock
-        backend's own support when SFI is off then (the engine runs as stock, full graphs
-        included), none with SFI on (the parts and memories change at every step)."""
-        if active_config() is None:
-            return super().get_cudagraph_support(vllm_config, kv_cache_spec)  # type: ignore[misc]
-        return AttentionCGSupport.NEVER
-
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> Any:
-        common = common_attn_metadata
-        if active_config() is None or common.num_reqs == 0:
-            return super().build(common_prefix_len, common, fast_build)
-        if not self._full_attention():
-            if self._decoder_attention():  # a sliding window: the model's own attention
-                self._check_layers(full=False)
-            return super().build(common_prefix_len, common, fast_build)
-        if _full_graphs(self.vllm_config):
-            raise RuntimeError(
-                "SFI was switched on (sfi.vllm.configure) in a vLLM engine that started without "
-                "it and replays CUDA graphs of whole steps, attention included, which cannot run "
-                "SFI's per-step plan: set SFI_VLLM (or call configure) before the engine "
-                "starts, or run it with enforce_eager=True")
-        self._check_layers(full=True)
-        requests = _book_for(self.vllm_config)
-        n = common.num_reqs
-        starts = _on_host(common.query_start_loc_cpu[: n + 1])
-        # vLLM's host copy of the lengths is exact without speculative decoding (refused)
-        host_lens = getattr(common, "seq_lens_cpu_upper_bound", None)
-        block_table = common.block_table_tensor[:n]
-        return SFIMetadata(common=common, builder=self, book=requests,
-                           key_column=block_table[:, 0],
-                           query_lens=[starts[r + 1] - starts[r] for r in range(n)],
-                           seq_lens=None if host_lens is None else _on_host(host_lens[:n]),
-                           query_start=starts, block_table=block_table,
-                           last_layer=max(layer_index(name) for name in self.layer_names))
-
-    def _decoder_attention(self) -> bool:
-        """A causal decoder layer's self-attention (not cross or encoder-only attention)."""
-        return not (getattr(self, "is_cross_attention", False)
-                    or getattr(self, "is_encoder_only_attention", False))
-
-    def _full_attention(self) -> bool:
-        """A causal decoder layer that sees its whole context (no sliding window)."""
-        if not self._decoder_attention():
-            return False
-        if getattr(self, "window_size", -1) not in (-1, None):  # vLLM's CPU builder
-            return False
-        return getattr(self.kv_cache_spec, "sliding_window", None) in (-1, None)
-
-    def _check_layers(self, full: bool) -> None:
-        """Once per builder: refuse layers whose kind vLLM's KV cache spec (``full``, this
-        builder's) and the model's config (:func:`sfi.cost_model.slow_fast_layers`, the
-        request book's :attr:`RequestBook.layers`, where its probes go and a fast step's reads
-        are counted) see differently."""
-        if not self._layers_checked:
-            check_layers(slow_fast_layers(self.vllm_config.model_config.hf_text_config),
-                         self.layer_names, full)
-            self._layers_checked = True
-
-    def build_stock(self, common: CommonAttentionMetadata) -> Any:
-        """The stock metadata of ``common`` (a whole batch or a part of it), holding no view
-        of the builder's own buffers: a step builds up to three parts, and a stock builder
-        may write each build into one persistent buffer (vLLM 0.33's FlashAttention keeps its
-        FA3 scheduler metadata so when it expects full CUDA graphs), where the next part's
-        build would overwrite the last one's."""
-        return _own_copy(super().build(0, common), self)  # type: ignore[misc]
-
-    def blocks_per_slot(self, requests: RequestBook) -> int:
-        return blocks_per_slot(requests.capacity, self.block_size)
-
-
 def check_packed(requests: RequestBook, rebuilder: StackingRebuilder) -> None:
     """Refuse to plan a step while the last step's refreshes still wait: its last layer
     (:attr:`SFIMetadata.last_layer`) never ran with SFI's metadata, so their memories were
@@ -411,20 +242,6 @@ def check_packed(requests: RequestBook, rebuilder: StackingRebuilder) -> None:
         raise RuntimeError("sfi.vllm: the last step's memory refreshes were never packed (the "
                            "step's last attention layer did not run with SFI's metadata); "
                            "please report this model to sfi")
-
-
-def check_layers(served: Sequence[int], names: Sequence[str], full: bool) -> None:
-    """Raise, naming them, where layers ``names`` that vLLM builds as attending over their
-    whole context (``full``) or within a sliding window are not, or are, among ``served`` (the
-    layers the model's config gives SFI, :func:`sfi.cost_model.slow_fast_layers`): the
-    probes would be placed, and the reads counted, over layers that do not run SFI."""
-    wrong = [name for name in names if (layer_index(name) in served) != full]
-    if wrong:
-        kind = "the whole context" if full else "a sliding window"
-        raise RuntimeError(
-            f"sfi.vllm: vLLM's KV cache spec gives {', '.join(wrong)} {kind}, where the "
-            f"model's config gives SFI the layers {list(served)}; please report this model "
-            "to sfi")
 
 
 def layer_index(name: str) -> int:
