@@ -1,4 +1,4 @@
-"""The only module that touches vLLM: attention backends wrapping the platform's own.
+"""The module that installs SFI into vLLM: attention backends wrapping the platform's own.
 
 On CPU sfi wraps ``CPU_ATTN``; on CUDA ``FLASH_ATTN`` and ``TRITON_ATTN`` (whichever vLLM picks,
 or ``--attention-backend``). Each wrapper subclasses the stock backend, its metadata builder

@@ -1,5 +1,6 @@
-"""The metadata builder SFI mixes into a stock one: the step's :class:`SFIMetadata`, the
-engine settings SFI refuses, and which layers it serves.
+"""The metadata builder SFI mixes into a stock one: it makes the step's
+:class:`~sfi.vllm.metadata.SFIMetadata`, refuses the engine settings SFI cannot run, and checks
+which layers it serves.
 
 :class:`SFIBuilder` is mixed into a stock metadata builder (first in the bases). It records the
 batch's shapes in an :class:`~sfi.vllm.metadata.SFIMetadata` with the request book of the

@@ -9,7 +9,8 @@ own builder makes the stock metadata of each part: the rows that read vLLM's cac
 dense and slow rows: their real block tables) and the fast rows, whose block table lists their
 slot's blocks in the plugin's buffer and whose ``seq_len`` is the slot's length. The impl
 (:mod:`sfi.vllm.impl`) reads only this metadata: nothing on the step path is kept in module
-state.
+state. Here too: the architectures whose model classes sfi subclasses to record the input ids
+(:data:`TOKEN_ARCHITECTURES`, :data:`STOCK_ENTRY`) and the request book in force (:func:`book`).
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def _rows_of(common: CommonAttentionMetadata, rows: list[int], starts: list[int]
 class SFIMetadata:
     """One step's metadata for every layer, planned before the first layer runs: where the
     model's forward records the input tokens the triggers observe, and by the builder where
-    the model's class records none (:func:`records_input_ids`). The impl only reads it.
+    the model's class records none (:func:`~sfi.vllm.builder.records_input_ids`). The impl
+    only reads it.
 
     Attributes:
         common: vLLM's metadata of the whole batch; builder: the builder that made this;
