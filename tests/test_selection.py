@@ -273,6 +273,16 @@ def test_incremental_page_summaries_equal_summarising_from_scratch():
             # (a row's page past its last position has no bounds: NaN boxes, as from scratch)
             torch.testing.assert_close(pages.boxes[:, :, :pages.count], page_boxes(low, high),
                                        rtol=0, atol=0, equal_nan=True)
+        if rows_shift is None:  # given only the keys from the partial page on (the plugin)
+            tail = PageSummaries(8)
+            for t in (5, 8, 9, 30, 31, 64, 70):
+                start = tail.reads_from
+                tail.update(keys[:, :, start:t], start=start)
+                low, high = page_bounds(keys[:, :, :t], 8)
+                assert torch.equal(tail.low[:, :, :tail.count], low)
+                assert torch.equal(tail.high[:, :, :tail.count], high)
+            with pytest.raises(ValueError, match="cannot summarise page"):
+                PageSummaries(8).update(keys[:, :, 8:20], start=8)
         changed = keys.clone()
         changed[:, :, 40:] = 10.0  # positions 40.. rewritten after a cut back to 40
         pages.forget_after(40)

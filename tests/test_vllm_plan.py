@@ -23,12 +23,15 @@ from sfi.vllm.paged import (
     BLOCKS,
     CHANNELS,
     DIM_MAJOR,
+    MAX_RUNS,
     RequestRefresh,
     empty_like_cache,
+    prefix_logits,
     probe_layout,
     read_blocks,
     read_positions,
     read_prefix,
+    read_range,
     window_selections,
 )
 from sfi.vllm.requests import (
@@ -245,6 +248,38 @@ def test_paged_reads_return_each_position(transposed):
                                         for row, p in zip(rows, both)]))
 
 
+@pytest.mark.parametrize("layout", [None, DIM_MAJOR, "permuted"])
+def test_logits_read_in_place_equal_those_of_a_copy(layout):
+    """A slow row's logits computed on the cache's blocks where they lie (one product per run
+    of consecutive blocks) equal those over a copy of its keys: one run, several, more than
+    MAX_RUNS (the copy then), a last block partly written; and a range read is the prefix's
+    slice."""
+    torch.manual_seed(4)
+    nb, h, bs, d, g = 40, 2, 4, 8, 3
+    natural = torch.randn(nb, h, bs, d)
+    half, order = natural, None
+    if layout is not None:
+        order = torch.arange(bs * d).view(d, bs).t().reshape(-1)
+        if layout == "permuted":
+            order = torch.randperm(bs * d)
+        half = packed(natural, order)
+        layout = DIM_MAJOR if layout == DIM_MAJOR else order
+    q = torch.randn(h, g, d)
+    rows = {"one run": torch.arange(3, 13), "three runs": torch.tensor([7, 8, 9, 2, 3, 20, 21]),
+            "scattered": torch.arange(MAX_RUNS + 2) * 2}
+    for name, block_row in rows.items():
+        total = len(block_row) * bs - 3
+        keys = torch.cat([natural[b] for b in block_row.tolist()], dim=1)[:, :total]
+        expected = torch.einsum("hgd,htd->hgt", q, keys) * 0.3
+        got = prefix_logits(half, block_row.int(), total, q, 0.3, None, layout)
+        torch.testing.assert_close(got, expected, msg=name)
+        capped = prefix_logits(half, block_row.int(), total, q, 0.3, 2.0, layout)
+        torch.testing.assert_close(capped, 2.0 * torch.tanh(expected / 2.0), msg=name)
+        for start, end in ((0, total), (5, total), (bs, 2 * bs + 1), (total, total)):
+            assert torch.equal(read_range(half, block_row, start, end, layout),
+                               keys[:, start:end]), (name, start, end)
+
+
 def write_per_position(cache, keys, values, slots):
     """A cache op storing each position's key channels, then its value channels (as vLLM's
     FlashAttention and Triton backends do: ``kv_cache.transpose(1, 2).split(D, -1)``)."""
@@ -352,6 +387,16 @@ def test_refreshes_selected_together_equal_each_alone(rule):
     for refresh, chosen in zip(refreshes, together):
         alone = select_refreshes(scorer, rule, 0, [refresh], 0.25, None)[0]
         assert torch.equal(chosen, alone)
+    # the decode-time rows given their logits (as the plugin computes them in place) and
+    # their key norms, without their keys, select the same
+    given = [r if r.queries.shape[0] > 1 else replace(
+        r, keys=None, key_norms=r.keys.norm(dim=-1),
+        logits=prefix_logits(r.keys[None], torch.tensor([0]), r.keys.shape[1],
+                             r.queries[0].view(3, 2, 16), 0.25, None))
+        for r in refreshes]
+    assert [r.keys is None for r in given] == [False, True, True, False]
+    for chosen, again in zip(together, select_refreshes(scorer, rule, 0, given, 0.25, None)):
+        assert torch.equal(chosen, again)
     kept = together[2][:, :3]  # the pinned positions: the previous selection's first three
     assert torch.equal(kept, torch.arange(10, 13).expand(3, -1))
 

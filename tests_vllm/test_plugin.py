@@ -270,16 +270,18 @@ def test_tensor_parallel_ranks_decide_as_one_rank(tmp_path_factory, tokenizer, e
 
 
 def test_what_sfi_cannot_run_under_is_refused_by_name():
-    """Pipeline parallelism and speculative decoding are refused (at engine start with
-    SFI_VLLM set, or at the first step after :func:`sfi.vllm.configure`), naming the flag."""
+    """Pipeline parallelism, speculative decoding and micro-batching are refused (at engine
+    start with SFI_VLLM set, or at the first step after :func:`sfi.vllm.configure`), naming
+    the flag."""
     from types import SimpleNamespace as Config
 
     from sfi.vllm.builder import refuse_unsupported
 
-    def engine(pipeline: int = 1, speculative: object = None) -> Config:
+    def engine(pipeline: int = 1, speculative: object = None, dbo: bool = False) -> Config:
         return Config(cache_config=Config(enable_prefix_caching=False, cache_dtype="auto"),
                       parallel_config=Config(decode_context_parallel_size=1,
-                                             pipeline_parallel_size=pipeline),
+                                             pipeline_parallel_size=pipeline,
+                                             enable_dbo=dbo, ubatch_size=0),
                       speculative_config=speculative)
 
     refuse_unsupported(engine())
@@ -287,6 +289,8 @@ def test_what_sfi_cannot_run_under_is_refused_by_name():
         refuse_unsupported(engine(pipeline=2))
     with pytest.raises(RuntimeError, match="speculative decoding"):
         refuse_unsupported(engine(speculative=Config(method="ngram")))
+    with pytest.raises(RuntimeError, match=r"micro-batching .*--enable-dbo"):
+        refuse_unsupported(engine(dbo=True))
 
 
 def test_uninstall_puts_the_stock_model_classes_back():

@@ -17,7 +17,12 @@ def additive_bias(allowed: torch.Tensor) -> torch.Tensor:
 def attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float,
                      softcap: float | None) -> torch.Tensor:
     """Scaled, soft-capped logits ``[..., Q, T]`` of ``q [..., Q, D]`` on ``k [..., T, D]``."""
-    z = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    return capped_logits(torch.matmul(q, k.transpose(-1, -2)), scale, softcap)
+
+
+def capped_logits(products: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """The logits of raw ``q . k`` ``products`` (any shape): in float32, scaled, soft-capped."""
+    z = products.float() * scale
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     return z

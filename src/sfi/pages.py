@@ -40,13 +40,18 @@ def page_count(length: int, page: int, shift: torch.Tensor | None = None) -> int
 
 
 def page_bounds(keys: torch.Tensor, page: int, shift: torch.Tensor | None = None,
-                first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                first: int = 0, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``keys [B, H, T, D]`` -> element-wise (min, max) of pages ``first`` to P - 1, each
     ``[B, H, P - first, D]`` (P = :func:`page_count`; a page's positions outside [0, T) are
-    left out; ``shift [B]`` as :func:`page_shift`, None: pages aligned at position 0)."""
+    left out; ``shift [B]`` as :func:`page_shift`, None: pages aligned at position 0).
+    ``start``: the keys are positions ``start`` to ``start + T`` (pages aligned at 0 only, and
+    ``start <= first * page``)."""
+    if start and (shift is not None or start > first * page):
+        raise ValueError(f"page_bounds: keys from position {start} cannot summarise page "
+                         f"{first} (from {first * page}) or shifted pages")
     t = keys.shape[-2]
     if shift is None:
-        k = keys[:, :, first * page:].float()
+        k = keys[:, :, first * page - start:].float()
         pad = (-k.shape[-2]) % page
         low = F.pad(k, (0, 0, 0, pad), value=float("inf")).unflatten(-2, (-1, page)).amin(-2)
         high = F.pad(k, (0, 0, 0, pad), value=float("-inf")).unflatten(-2, (-1, page)).amax(-2)
@@ -113,17 +118,24 @@ class PageSummaries:
             return cls(page, shift)
         return previous
 
+    @property
+    def reads_from(self) -> int:
+        """The first position :meth:`update` reads: the start of the page partial at
+        :attr:`done`."""
+        return self.done // self.page * self.page
+
     def forget_after(self, length: int) -> None:
         """The cache was cut back to ``length`` positions: summarise from there again."""
         self.done = min(self.done, length)
 
     def update(self, keys: torch.Tensor, shift: torch.Tensor | None = None,
-               capacity: int = 0) -> PageSummaries:
-        """Summarise ``keys [B, H, T, D]`` (the cache's first T positions; ``shift [B]``, the
-        tensor of :attr:`shift`): the page that was partial at :attr:`done` and those after
-        it; nothing when ``T <= done``. When the tensors grow, they make room for the pages of
-        ``capacity`` positions (the cache's own room) and one more."""
-        t = keys.shape[-2]
+               capacity: int = 0, start: int = 0) -> PageSummaries:
+        """Summarise ``keys [B, H, T', D]`` (the cache's positions ``start`` to ``T = start +
+        T'``; ``shift [B]``, the tensor of :attr:`shift`): the page that was partial at
+        :attr:`done` and those after it (``start`` must not lie past that page's first
+        position); nothing when ``T <= done``. When the tensors grow, they make room for the
+        pages of ``capacity`` positions (the cache's own room) and one more."""
+        t = start + keys.shape[-2]
         if self.low is not None and self.done >= t:
             return self
         count = page_count(t, self.page, shift)
@@ -138,7 +150,7 @@ class PageSummaries:
                 for new, old in ((low, self.low), (high, self.high), (boxes, self.boxes)):
                     new[:, :, :first] = old[:, :, :first]
             self.low, self.high, self.boxes = low, high, boxes
-        new_low, new_high = page_bounds(keys, self.page, shift, first)
+        new_low, new_high = page_bounds(keys, self.page, shift, first, start)
         self.low[:, :, first:count] = new_low
         self.high[:, :, first:count] = new_high
         self.boxes[:, :, first:count] = page_boxes(new_low, new_high)

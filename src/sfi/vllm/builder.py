@@ -41,7 +41,8 @@ def refuse_unsupported(vllm_config: Any) -> None:
     """Raise, naming it, what an engine with SFI on cannot run: prefix caching, a quantized KV
     cache, decode context parallelism, pipeline parallelism (later stages get no input ids,
     and each stage would decide alone) and speculative decoding (its verify rows are several
-    queries per request, and the drafter's metadata would make a second plan per step)."""
+    queries per request, and the drafter's metadata would make a second plan per step) and
+    micro-batching (each micro-batch's metadata would plan the step again)."""
     cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
     if cache.enable_prefix_caching:
         raise RuntimeError("SFI in vLLM needs prefix caching off "
@@ -55,6 +56,9 @@ def refuse_unsupported(vllm_config: Any) -> None:
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise RuntimeError("SFI in vLLM does not support pipeline parallelism "
                            "(--pipeline-parallel-size 1; tensor parallelism is supported)")
+    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 0) > 1:
+        raise RuntimeError("SFI in vLLM does not support micro-batching (no --enable-dbo, "
+                           "ubatch_size 0 or 1)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise RuntimeError("SFI in vLLM does not support speculative decoding "
                            "(no --speculative-config), or unset SFI_VLLM")
@@ -211,7 +215,9 @@ def check_layers(served: Sequence[int], names: Sequence[str], full: bool) -> Non
     """Raise, naming them, where layers ``names`` that vLLM builds as attending over their
     whole context (``full``) or within a sliding window are not, or are, among ``served`` (the
     layers the model's config gives SFI, :func:`sfi.cost_model.slow_fast_layers`): the
-    probes would be placed, and the reads counted, over layers that do not run SFI."""
+    probes would be placed, and the reads counted, over layers that do not run SFI. A
+    whole-context builder must also serve every one of ``served``: where vLLM splits them into
+    several KV cache groups, each group's builder would plan the step again."""
     wrong = [name for name in names if (layer_index(name) in served) != full]
     if wrong:
         kind = "the whole context" if full else "a sliding window"
@@ -219,3 +225,9 @@ def check_layers(served: Sequence[int], names: Sequence[str], full: bool) -> Non
             f"sfi.vllm: vLLM's KV cache spec gives {', '.join(wrong)} {kind}, where the "
             f"model's config gives SFI the layers {list(served)}; please report this model "
             "to sfi")
+    missing = sorted(set(served) - {layer_index(name) for name in names}) if full else []
+    if missing:
+        raise RuntimeError(
+            f"sfi.vllm: vLLM splits the layers that see their whole context into several KV "
+            f"cache groups (one group leaves out layers {missing}), and SFI plans a step once "
+            "for all of them; this model cannot run SFI in vLLM yet: please report it to sfi")

@@ -25,16 +25,19 @@ from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
 from sfi.refresh_selection import SelectionGroup, SelectionRule
 from sfi.rows import Rows
-from sfi.scorers import key_norms_of
+from sfi.scorers import key_norms_of, scores_rows_alone
 from sfi.vllm.metadata import SFIMetadata, layer_index
 from sfi.vllm.paged import (
     CacheLayout,
+    KeyLayout,
     RequestRefresh,
     empty_like_cache,
+    prefix_logits,
     probe_layout,
     read_blocks,
     read_positions,
     read_prefix,
+    read_range,
     window_selections,
 )
 from sfi.vllm.requests import SELECT, RequestBook, RowPlan
@@ -195,26 +198,25 @@ class SFIImpl:
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]
         page = probe_page(requests.config) if self.layer_idx in requests.probes else None
+        softcap = getattr(self, "logits_soft_cap", None) or None
         refreshes, records, pages = [], [], []
         for plan in md.refreshing:
-            block_row = md.block_table[plan.row]
             if plan.kind == SELECT:  # evidence: the prompt's last W queries
                 queries = self.prompt_queries[plan.slot, -plan.evidence:]
             else:  # evidence: this step's query
-                start = md.query_start[plan.row]
-                queries = query[start: start + 1]
+                first = md.query_start[plan.row]
+                queries = query[first: first + 1]
             record = self.records.get(plan.slot)
             if record is None or record.request != plan.request:
                 record = self.records[plan.slot] = SlotRecord(plan.request)
-            keys = read_prefix(cache_keys, block_row, _keys_end(plan), layout.keys)
-            record.norms = _key_norms(record.norms, keys)
-            refreshes.append(RequestRefresh(plan.memory, queries, keys, record.selected,
-                                            record.norms))
+            refresh, summaries = _read_refresh(
+                plan, queries, record, cache_keys, md.block_table[plan.row], layout.keys,
+                page, not scores_rows_alone(requests.scorer), self.scale, softcap)
+            refreshes.append(refresh)
             records.append(record)
-            pages.append(None if page is None else _page_summaries(record.coverage, keys, page))
+            pages.append(summaries)
         rule = SelectionRule.of(requests.config)
         groups = (SelectionGroup(requests.scorer, rule, None),)
-        softcap = getattr(self, "logits_soft_cap", None) or None
         for now in (True, False):
             chosen = [i for i, plan in enumerate(md.refreshing) if (plan.kind == SELECT) == now]
             if not chosen:
@@ -293,27 +295,48 @@ class SFIImpl:
                              share=share)
 
 
-def _key_norms(held: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
-    """``[H, T]`` the norms of a request's keys ``[H, T, D]``, from those ``held`` at its last
-    refresh (``[H, T']``, or None) and the positions written since."""
-    if held is None or held.shape[1] > keys.shape[1]:
-        return key_norms_of(keys)
-    return torch.cat([held, key_norms_of(keys[:, held.shape[1]:])], dim=1)
+def _read_refresh(plan: RowPlan, queries: torch.Tensor, record: SlotRecord,
+                  cache_keys: torch.Tensor, block_row: torch.Tensor, layout: KeyLayout,
+                  page: int | None, read_keys: bool, scale: float, softcap: float | None
+                  ) -> tuple[RequestRefresh, PageSummaries | None]:
+    """What a refreshing row's selection reads of the cache's keys ``[NB, H, bs, D]``
+    (``block_row``: the request's blocks, stored as ``layout`` says), and the ``record`` of its
+    request brought up to date (key norms, and the page bounds where ``page`` is given: a probe
+    layer's). A decode-time slow row's logits come from the cache's blocks in place
+    (:func:`~sfi.vllm.paged.prefix_logits`); its keys are read only where the scorer reads them
+    (``read_keys``); else only the keys written since its last refresh are read."""
+    end = _keys_end(plan)
+    h, d = cache_keys.shape[1], cache_keys.shape[3]
+    logits = keys = None
+    if plan.kind != SELECT:
+        logits = prefix_logits(cache_keys, block_row, end, queries[0].view(h, -1, d), scale,
+                               softcap, layout)
+    if logits is None or read_keys:
+        keys = read_prefix(cache_keys, block_row, end, layout)
+    summaries = None if page is None else PageSummaries.kept(
+        record.coverage.pages if record.coverage is not None else None, page, length=end)
+    held = _held(record.norms, end)
+    start = min(held, end if summaries is None else summaries.reads_from)
+    new = keys[:, start:] if keys is not None else read_range(cache_keys, block_row, start,
+                                                              end, layout)  # [H, end - start, D]
+    norms = key_norms_of(new[:, held - start:])
+    record.norms = torch.cat([record.norms[:, :held], norms], dim=1) if held else norms
+    if summaries is not None:
+        summaries.update(new[None], start=start)
+    return RequestRefresh(plan.memory, queries, keys, record.selected, record.norms,
+                          logits), summaries
+
+
+def _held(norms: torch.Tensor | None, end: int) -> int:
+    """How many of a request's key norms ``[H, T']`` (kept from its last refresh, or None) hold
+    for its keys now (``end`` of them): all, or none where the cache is shorter."""
+    return 0 if norms is None or norms.shape[1] > end else norms.shape[1]
 
 
 def _keys_end(plan: RowPlan) -> int:
     """Where a refreshing row's keys end: a first selection's at the prompt's end (its new
     token is appended to the slot by the fast read), a slow row's with this step's own."""
     return plan.total - 1 if plan.kind == SELECT else plan.total
-
-
-def _page_summaries(previous: SlotCoverage | None, keys: torch.Tensor, page: int
-                    ) -> PageSummaries:
-    """A probe layer's page bounds of a request whose keys ``[H, T, D]`` a refresh read: those
-    of ``previous`` (its last record) brought up to date, or summarised afresh."""
-    pages = PageSummaries.kept(previous.pages if previous is not None else None, page,
-                               length=keys.shape[1])
-    return pages.update(keys[None])
 
 
 @dataclass(frozen=True)

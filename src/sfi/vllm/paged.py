@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from sfi.kernels import attention_logits, evidence_bias, window_logits
+from sfi.kernels import attention_logits, capped_logits, evidence_bias, window_logits
 from sfi.memory_tensors import MemoryTensors
 from sfi.refresh_selection import PreviousSelection, SelectionRule, previous_selection
 from sfi.scorers import Evidence, Scorer, make_evidence, scores_rows_alone
@@ -147,8 +148,71 @@ def read_prefix(half: torch.Tensor, block_row: torch.Tensor, total: int,
     """``[H, T, D]``: positions ``[0, total)`` of the request whose blocks are ``block_row``,
     stored as ``layout`` says. For a dim-major layout the result is a transposed view of a
     contiguous ``[H, D, T]`` (what ``q @ k^T`` wants), made with one copy."""
-    blocks = block_row[: -(-total // half.shape[2])]
-    return read_blocks(half, blocks[None], layout)[0, :, :total]
+    return read_range(half, block_row, 0, total, layout)
+
+
+def read_range(half: torch.Tensor, block_row: torch.Tensor, start: int, end: int,
+               layout: KeyLayout = None) -> torch.Tensor:
+    """``[H, end - start, D]``: positions ``[start, end)`` of the request whose blocks are
+    ``block_row`` (only the blocks that hold them are read), as :func:`read_prefix`."""
+    bs = half.shape[2]
+    first = start // bs
+    if end <= start:
+        return half.new_empty(half.shape[1], 0, half.shape[3])
+    blocks = block_row[first: -(-end // bs)]
+    return read_blocks(half, blocks[None], layout)[0, :, start - first * bs: end - first * bs]
+
+
+MAX_RUNS = 16
+""":func:`prefix_logits` reads the keys where they lie when a request's blocks form at most this
+many runs of consecutive blocks (one matrix product per run), else from a copy."""
+
+
+def prefix_logits(half: torch.Tensor, block_row: torch.Tensor, total: int, q: torch.Tensor,
+                  scale: float, softcap: float | None, layout: KeyLayout = None
+                  ) -> torch.Tensor:
+    """``[H, G, T]``: the logits (:func:`sfi.kernels.attention_logits`) of ``q [H, G, D]`` (a
+    decode row's G query heads per KV head) on positions ``[0, total)`` of the request whose
+    blocks are ``block_row``.
+
+    A slow step's dense attention reads every key once; these logits (the Selector's evidence)
+    read them a second time. On the host, with keys stored ``[bs, D]`` or dim-major, each run
+    of consecutive blocks is one batched product over the cache's own blocks (no copy of the
+    keys: a copy reads and writes them once more, which measured about as long as the product
+    itself at 16K); elsewhere (a device, where the block ids would have to be read back, or a
+    permuted layout, or more than :data:`MAX_RUNS` runs) from :func:`read_prefix`'s copy.
+    """
+    nb, h, bs, d = half.shape
+    count = -(-total // bs)
+    runs = None
+    if half.device.type == "cpu" and not isinstance(layout, torch.Tensor):
+        runs = block_runs(block_row[:count].tolist())
+    if runs is None or len(runs) > MAX_RUNS:
+        keys = read_prefix(half, block_row, total, layout)
+        return attention_logits(q[None], keys[None], scale, softcap)[0]
+    # [NB, H, D, bs]: each block's keys transposed, as q @ k^T reads them (a view)
+    transposed = half.view(nb, h, d, bs) if layout == DIM_MAJOR else half.transpose(-1, -2)
+    g = q.shape[1]
+    parts = []
+    for first, length in runs:
+        keys = transposed[first: first + length].reshape(length * h, d, bs)
+        parts.append(torch.bmm(q.expand(length, h, g, d).reshape(length * h, g, d), keys)
+                     .view(length, h, g, bs))
+    products = torch.cat(parts) if len(parts) > 1 else parts[0]  # [blocks, H, G, bs]
+    products = products.permute(1, 2, 0, 3).reshape(h, g, count * bs)[..., :total]
+    return capped_logits(products, scale, softcap)
+
+
+def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """``blocks`` (block ids in a request's order) as runs of consecutive ids: ``(first id,
+    count)`` each, in order."""
+    runs: list[tuple[int, int]] = []
+    for block in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
 
 
 def read_blocks(half: torch.Tensor, block_rows: torch.Tensor,
@@ -202,17 +266,27 @@ class RequestRefresh:
             (W = 1: a decode-time slow step, its own query; W > 1: the prompt's last queries,
             as the transformers path selects at the prefill).
         keys: ``[H, T, D]`` the request's cached keys; T is where the evidence queries end.
+            None where ``logits`` are given and the scorer reads no keys
+            (``scores_rows_alone``).
         previous: ``[H, k']`` the positions the memory it replaces selected (its first
             ``memory.pinned`` pinned), or None for a first selection.
         key_norms: ``[H, T]`` the keys' L2 norms where the caller keeps them (None: computed
             from ``keys``).
+        logits: ``[H, G, T]`` a decode-time slow step's logits where the caller computed them
+            (:func:`prefix_logits`); None: computed from ``queries`` and ``keys``.
     """
 
     memory: Memory
     queries: torch.Tensor
-    keys: torch.Tensor
+    keys: torch.Tensor | None
     previous: torch.Tensor | None = None
     key_norms: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """T, the positions the refresh selects from."""
+        return self.logits.shape[-1] if self.logits is not None else self.keys.shape[1]
 
 
 @dataclass(frozen=True)
@@ -272,16 +346,22 @@ def _window_selection(scorer: Scorer, rule: SelectionRule, layer_idx: int,
     evidence queries each."""
     group = [refreshes[i] for i in members]
     n = len(group)
-    ends = [r.keys.shape[1] for r in group]
+    ends = [r.length for r in group]
     t = max(ends)
-    keys = _padded([r.keys for r in group], t)  # [n, H, T, D]
-    h, d = keys.shape[1], keys.shape[3]
-    device = keys.device
+    given = w == 1 and all(r.logits is not None for r in group)
+    keys = None
+    if not given or not scores_rows_alone(scorer):
+        keys = _padded([r.keys for r in group], t)  # [n, H, T, D]
+    h = group[0].logits.shape[0] if given else keys.shape[1]
+    d, device = group[0].queries.shape[-1], group[0].queries.device
     q = torch.stack([r.queries.permute(1, 0, 2) for r in group])  # [n, Hq, W, D]
     end = torch.tensor(ends, device=device)
     key_pos = torch.arange(t, device=device)
     if w == 1:  # a decode-time slow step: the logits its dense attention computes
-        logits = attention_logits(q.reshape(n, h, -1, d), keys, scale, softcap)
+        if given:
+            logits = torch.stack([F.pad(r.logits, (0, t - r.length)) for r in group])
+        else:
+            logits = attention_logits(q.reshape(n, h, -1, d), keys, scale, softcap)
         if min(ends) != t:
             logits = logits.masked_fill((key_pos >= end[:, None])[:, None, None, :],
                                         float("-inf"))
