@@ -24,14 +24,16 @@ from sfi.vllm.paged import (
     CHANNELS,
     DIM_MAJOR,
     MAX_RUNS,
+    CacheLayout,
     RequestRefresh,
     empty_like_cache,
-    prefix_logits,
+    logits_in_place,
     probe_layout,
     read_blocks,
     read_positions,
     read_prefix,
     read_range,
+    read_refresh,
     window_selections,
 )
 from sfi.vllm.requests import (
@@ -250,20 +252,20 @@ def test_paged_reads_return_each_position(transposed):
 
 @pytest.mark.parametrize("layout", [None, DIM_MAJOR, "permuted"])
 def test_logits_read_in_place_equal_those_of_a_copy(layout):
-    """A slow row's logits computed on the cache's blocks where they lie (one product per run
-    of consecutive blocks) equal those over a copy of its keys: one run, several, more than
-    MAX_RUNS (the copy then), a last block partly written; and a range read is the prefix's
-    slice."""
+    """A slow row's logits computed on the key half of a cache ``[NB, H, bs, 2D]`` where the
+    keys lie (one product per run of consecutive blocks) equal those over a copy of its keys:
+    one run, several, a last block partly written; none where they cannot be (more than
+    MAX_RUNS runs, a permuted layout). A range read is the prefix's slice."""
     torch.manual_seed(4)
     nb, h, bs, d, g = 40, 2, 4, 8, 3
     natural = torch.randn(nb, h, bs, d)
-    half, order = natural, None
-    if layout is not None:
-        order = torch.arange(bs * d).view(d, bs).t().reshape(-1)
-        if layout == "permuted":
-            order = torch.randperm(bs * d)
-        half = packed(natural, order)
-        layout = DIM_MAJOR if layout == DIM_MAJOR else order
+    cache = torch.zeros(nb, h, bs, 2 * d)
+    order = None if layout is None else torch.arange(bs * d).view(d, bs).t().reshape(-1)
+    if layout == "permuted":
+        order = torch.randperm(bs * d)
+    half = CacheLayout(BLOCKS).halves(cache)[0]  # the key half of the CPU kernel's blocks
+    half.copy_(natural if order is None else packed(natural, order))
+    named = order if layout == "permuted" else layout
     q = torch.randn(h, g, d)
     rows = {"one run": torch.arange(3, 13), "three runs": torch.tensor([7, 8, 9, 2, 3, 20, 21]),
             "scattered": torch.arange(MAX_RUNS + 2) * 2}
@@ -271,13 +273,53 @@ def test_logits_read_in_place_equal_those_of_a_copy(layout):
         total = len(block_row) * bs - 3
         keys = torch.cat([natural[b] for b in block_row.tolist()], dim=1)[:, :total]
         expected = torch.einsum("hgd,htd->hgt", q, keys) * 0.3
-        got = prefix_logits(half, block_row.int(), total, q, 0.3, None, layout)
-        torch.testing.assert_close(got, expected, msg=name)
-        capped = prefix_logits(half, block_row.int(), total, q, 0.3, 2.0, layout)
-        torch.testing.assert_close(capped, 2.0 * torch.tanh(expected / 2.0), msg=name)
+        got = logits_in_place(half, block_row.int(), total, q, 0.3, None, named)
+        capped = logits_in_place(half, block_row.int(), total, q, 0.3, 2.0, named)
+        if name == "scattered" or layout == "permuted":
+            assert got is None and capped is None, name
+        else:
+            torch.testing.assert_close(got, expected, msg=name)
+            torch.testing.assert_close(capped, 2.0 * torch.tanh(expected / 2.0), msg=name)
         for start, end in ((0, total), (5, total), (bs, 2 * bs + 1), (total, total)):
-            assert torch.equal(read_range(half, block_row, start, end, layout),
+            assert torch.equal(read_range(half, block_row, start, end, named),
                                keys[:, start:end]), (name, start, end)
+
+
+def test_a_refresh_read_since_the_last_one_equals_one_read_from_scratch():
+    """What a refresh keeps of a request between refreshes (its key norms, its page bounds in a
+    probe layer) and reads anew (only the keys written since) gives, refresh after refresh and
+    after the cache is cut back, the norms, bounds and logits of reading everything; a query
+    grouped per KV head as the selection groups it."""
+    from sfi.pages import page_bounds
+
+    torch.manual_seed(5)
+    nb, h, bs, d, hq = 30, 2, 4, 8, 6
+    cache = torch.zeros(nb, h, bs, 2 * d)
+    half = CacheLayout(BLOCKS, DIM_MAJOR).halves(cache)[0]
+    natural = torch.randn(nb, h, bs, d)
+    order = torch.arange(bs * d).view(d, bs).t().reshape(-1)
+    half.copy_(packed(natural, order))
+    block_row = torch.arange(nb)
+    keys = natural.transpose(0, 1).reshape(h, nb * bs, d)  # [H, T, D] in the request's order
+    memory = refresh_memory(100, 0, 2, 8, 12)
+    norms = pages = None
+    for end in (17, 18, 30, 30, 67, 33, 50, 5):  # the last three: cut back and grown again
+        query = torch.randn(1, hq, d)
+        refresh, pages = read_refresh(memory, query, end, None, norms, pages, 8, half, block_row,
+                                      DIM_MAJOR, False, 0.25, None)
+        norms = refresh.key_norms
+        assert refresh.keys is None
+        torch.testing.assert_close(norms, keys[:, :end].norm(dim=-1))
+        low, high = page_bounds(keys[None, :, :end], 8)
+        assert torch.equal(pages.low[:, :, :pages.count], low)
+        assert torch.equal(pages.high[:, :, :pages.count], high)
+        expected = torch.einsum("hgd,htd->hgt", query[0].view(h, hq // h, d), keys[:, :end])
+        torch.testing.assert_close(refresh.logits, expected * 0.25)
+    # a scorer that reads keys, or several evidence queries: the keys, and no logits
+    for queries, read_keys in ((torch.randn(1, hq, d), True), (torch.randn(4, hq, d), False)):
+        refresh, _ = read_refresh(memory, queries, 40, None, None, None, None, half, block_row,
+                                  DIM_MAJOR, read_keys, 0.25, None)
+        assert refresh.logits is None and torch.equal(refresh.keys, keys[:, :40])
 
 
 def write_per_position(cache, keys, values, slots):
@@ -391,8 +433,8 @@ def test_refreshes_selected_together_equal_each_alone(rule):
     # their key norms, without their keys, select the same
     given = [r if r.queries.shape[0] > 1 else replace(
         r, keys=None, key_norms=r.keys.norm(dim=-1),
-        logits=prefix_logits(r.keys[None], torch.tensor([0]), r.keys.shape[1],
-                             r.queries[0].view(3, 2, 16), 0.25, None))
+        logits=logits_in_place(r.keys[None], torch.tensor([0]), r.keys.shape[1],
+                               r.queries[0].view(3, 2, 16), 0.25, None))
         for r in refreshes]
     assert [r.keys is None for r in given] == [False, True, True, False]
     for chosen, again in zip(together, select_refreshes(scorer, rule, 0, given, 0.25, None)):

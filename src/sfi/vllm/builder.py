@@ -195,6 +195,8 @@ class SFIBuilder:
         request book's :attr:`RequestBook.layers`, where its probes go and a fast step's reads
         are counted) see differently."""
         if not self._layers_checked:
+            # the engine settings first: a pipeline stage serves only some of the layers
+            refuse_unsupported(self.vllm_config)
             check_layers(slow_fast_layers(self.vllm_config.model_config.hf_text_config),
                          self.layer_names, full)
             self._layers_checked = True
@@ -216,8 +218,8 @@ def check_layers(served: Sequence[int], names: Sequence[str], full: bool) -> Non
     whole context (``full``) or within a sliding window are not, or are, among ``served`` (the
     layers the model's config gives SFI, :func:`sfi.cost_model.slow_fast_layers`): the
     probes would be placed, and the reads counted, over layers that do not run SFI. A
-    whole-context builder must also serve every one of ``served``: where vLLM splits them into
-    several KV cache groups, each group's builder would plan the step again."""
+    whole-context builder must also serve every one of ``served``: where vLLM splits them among
+    several builders (KV cache or attention groups), each would plan the step again."""
     wrong = [name for name in names if (layer_index(name) in served) != full]
     if wrong:
         kind = "the whole context" if full else "a sliding window"
@@ -228,6 +230,8 @@ def check_layers(served: Sequence[int], names: Sequence[str], full: bool) -> Non
     missing = sorted(set(served) - {layer_index(name) for name in names}) if full else []
     if missing:
         raise RuntimeError(
-            f"sfi.vllm: vLLM splits the layers that see their whole context into several KV "
-            f"cache groups (one group leaves out layers {missing}), and SFI plans a step once "
-            "for all of them; this model cannot run SFI in vLLM yet: please report it to sfi")
+            f"sfi.vllm: one of vLLM's attention metadata builders serves the whole-context "
+            f"layers without layers {missing}, which the model's config also gives SFI: vLLM "
+            "splits them among several builders (KV cache or attention groups), each of which "
+            "would plan the step again, or does not build them as attention; this model cannot "
+            "run SFI in vLLM yet: please report it to sfi")

@@ -25,19 +25,15 @@ from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
 from sfi.refresh_selection import SelectionGroup, SelectionRule
 from sfi.rows import Rows
-from sfi.scorers import key_norms_of, scores_rows_alone
+from sfi.scorers import scores_rows_alone
 from sfi.vllm.metadata import SFIMetadata, layer_index
 from sfi.vllm.paged import (
     CacheLayout,
-    KeyLayout,
-    RequestRefresh,
     empty_like_cache,
-    prefix_logits,
     probe_layout,
     read_blocks,
     read_positions,
-    read_prefix,
-    read_range,
+    read_refresh,
     window_selections,
 )
 from sfi.vllm.requests import SELECT, RequestBook, RowPlan
@@ -209,9 +205,12 @@ class SFIImpl:
             record = self.records.get(plan.slot)
             if record is None or record.request != plan.request:
                 record = self.records[plan.slot] = SlotRecord(plan.request)
-            refresh, summaries = _read_refresh(
-                plan, queries, record, cache_keys, md.block_table[plan.row], layout.keys,
-                page, not scores_rows_alone(requests.scorer), self.scale, softcap)
+            kept = record.coverage.pages if record.coverage is not None else None
+            refresh, summaries = read_refresh(
+                plan.memory, queries, _keys_end(plan), record.selected, record.norms,
+                kept if page is not None else None, page, cache_keys, md.block_table[plan.row],
+                layout.keys, not scores_rows_alone(requests.scorer), self.scale, softcap)
+            record.norms = refresh.key_norms
             refreshes.append(refresh)
             records.append(record)
             pages.append(summaries)
@@ -293,44 +292,6 @@ class SFIImpl:
         held = geometry.selected_slots(width, geometry.sink_count)
         return copy_runs_out(logits[..., :width], lse, positions, held, geometry.hi,
                              share=share)
-
-
-def _read_refresh(plan: RowPlan, queries: torch.Tensor, record: SlotRecord,
-                  cache_keys: torch.Tensor, block_row: torch.Tensor, layout: KeyLayout,
-                  page: int | None, read_keys: bool, scale: float, softcap: float | None
-                  ) -> tuple[RequestRefresh, PageSummaries | None]:
-    """What a refreshing row's selection reads of the cache's keys ``[NB, H, bs, D]``
-    (``block_row``: the request's blocks, stored as ``layout`` says), and the ``record`` of its
-    request brought up to date (key norms, and the page bounds where ``page`` is given: a probe
-    layer's). A decode-time slow row's logits come from the cache's blocks in place
-    (:func:`~sfi.vllm.paged.prefix_logits`); its keys are read only where the scorer reads them
-    (``read_keys``); else only the keys written since its last refresh are read."""
-    end = _keys_end(plan)
-    h, d = cache_keys.shape[1], cache_keys.shape[3]
-    logits = keys = None
-    if plan.kind != SELECT:
-        logits = prefix_logits(cache_keys, block_row, end, queries[0].view(h, -1, d), scale,
-                               softcap, layout)
-    if logits is None or read_keys:
-        keys = read_prefix(cache_keys, block_row, end, layout)
-    summaries = None if page is None else PageSummaries.kept(
-        record.coverage.pages if record.coverage is not None else None, page, length=end)
-    held = _held(record.norms, end)
-    start = min(held, end if summaries is None else summaries.reads_from)
-    new = keys[:, start:] if keys is not None else read_range(cache_keys, block_row, start,
-                                                              end, layout)  # [H, end - start, D]
-    norms = key_norms_of(new[:, held - start:])
-    record.norms = torch.cat([record.norms[:, :held], norms], dim=1) if held else norms
-    if summaries is not None:
-        summaries.update(new[None], start=start)
-    return RequestRefresh(plan.memory, queries, keys, record.selected, record.norms,
-                          logits), summaries
-
-
-def _held(norms: torch.Tensor | None, end: int) -> int:
-    """How many of a request's key norms ``[H, T']`` (kept from its last refresh, or None) hold
-    for its keys now (``end`` of them): all, or none where the cache is shorter."""
-    return 0 if norms is None or norms.shape[1] > end else norms.shape[1]
 
 
 def _keys_end(plan: RowPlan) -> int:

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 from sfi.kernels import attention_logits, capped_logits, evidence_bias, window_logits
 from sfi.memory_tensors import MemoryTensors
+from sfi.pages import PageSummaries
 from sfi.refresh_selection import PreviousSelection, SelectionRule, previous_selection
-from sfi.scorers import Evidence, Scorer, make_evidence, scores_rows_alone
+from sfi.scorers import Evidence, Scorer, key_norms_of, make_evidence, scores_rows_alone
 from sfi.sequence_policy import Memory
 
 KeyLayout = None | str | torch.Tensor
@@ -164,32 +165,32 @@ def read_range(half: torch.Tensor, block_row: torch.Tensor, start: int, end: int
 
 
 MAX_RUNS = 16
-""":func:`prefix_logits` reads the keys where they lie when a request's blocks form at most this
-many runs of consecutive blocks (one matrix product per run), else from a copy."""
+""":func:`logits_in_place` reads the keys where they lie when a request's blocks form at most
+this many runs of consecutive blocks (one matrix product per run)."""
 
 
-def prefix_logits(half: torch.Tensor, block_row: torch.Tensor, total: int, q: torch.Tensor,
-                  scale: float, softcap: float | None, layout: KeyLayout = None
-                  ) -> torch.Tensor:
+def logits_in_place(half: torch.Tensor, block_row: torch.Tensor, total: int, q: torch.Tensor,
+                    scale: float, softcap: float | None, layout: KeyLayout = None
+                    ) -> torch.Tensor | None:
     """``[H, G, T]``: the logits (:func:`sfi.kernels.attention_logits`) of ``q [H, G, D]`` (a
     decode row's G query heads per KV head) on positions ``[0, total)`` of the request whose
-    blocks are ``block_row``.
+    blocks are ``block_row``, computed on the cache's blocks where they lie; None where they
+    cannot be (then the caller reads the keys, :func:`read_prefix`).
 
     A slow step's dense attention reads every key once; these logits (the Selector's evidence)
     read them a second time. On the host, with keys stored ``[bs, D]`` or dim-major, each run
     of consecutive blocks is one batched product over the cache's own blocks (no copy of the
-    keys: a copy reads and writes them once more, which measured about as long as the product
-    itself at 16K); elsewhere (a device, where the block ids would have to be read back, or a
-    permuted layout, or more than :data:`MAX_RUNS` runs) from :func:`read_prefix`'s copy.
+    keys: a copy reads and writes them once more, and a refresh with it measured about 8%
+    longer at 16K). Not on a device (the block ids would have to be read back), with a permuted
+    layout, or over more than :data:`MAX_RUNS` runs.
     """
     nb, h, bs, d = half.shape
     count = -(-total // bs)
-    runs = None
-    if half.device.type == "cpu" and not isinstance(layout, torch.Tensor):
-        runs = block_runs(block_row[:count].tolist())
-    if runs is None or len(runs) > MAX_RUNS:
-        keys = read_prefix(half, block_row, total, layout)
-        return attention_logits(q[None], keys[None], scale, softcap)[0]
+    if total <= 0 or half.device.type != "cpu" or isinstance(layout, torch.Tensor):
+        return None
+    runs = block_runs(block_row[:count].tolist())
+    if len(runs) > MAX_RUNS:
+        return None
     # [NB, H, D, bs]: each block's keys transposed, as q @ k^T reads them (a view)
     transposed = half.view(nb, h, d, bs) if layout == DIM_MAJOR else half.transpose(-1, -2)
     g = q.shape[1]
@@ -273,7 +274,7 @@ class RequestRefresh:
         key_norms: ``[H, T]`` the keys' L2 norms where the caller keeps them (None: computed
             from ``keys``).
         logits: ``[H, G, T]`` a decode-time slow step's logits where the caller computed them
-            (:func:`prefix_logits`); None: computed from ``queries`` and ``keys``.
+            (:func:`logits_in_place`); None: computed from ``queries`` and ``keys``.
     """
 
     memory: Memory
@@ -287,6 +288,42 @@ class RequestRefresh:
     def length(self) -> int:
         """T, the positions the refresh selects from."""
         return self.logits.shape[-1] if self.logits is not None else self.keys.shape[1]
+
+
+def read_refresh(memory: Memory, queries: torch.Tensor, end: int,
+                 previous: torch.Tensor | None, norms: torch.Tensor | None,
+                 pages: PageSummaries | None, page: int | None, half: torch.Tensor,
+                 block_row: torch.Tensor, layout: KeyLayout, read_keys: bool, scale: float,
+                 softcap: float | None) -> tuple[RequestRefresh, PageSummaries | None]:
+    """One request's :class:`RequestRefresh` read from the cache's keys ``half [NB, H, bs,
+    D]`` (its blocks ``block_row``, stored as ``layout`` says; its keys end at ``end``), and
+    its page summaries brought up to date where ``page`` is given (a probe layer's: those kept
+    from its last refresh, ``pages``, or new ones).
+
+    With one evidence query its logits are computed where the keys lie
+    (:func:`logits_in_place`), and the keys are read only where that cannot be done or the
+    scorer reads them (``read_keys``); else only the keys written since its last refresh are
+    read, for the key norms (``norms [H, T']``, kept from its last refresh, or None: the
+    refresh's ``key_norms`` are the new ones) and the page bounds.
+    """
+    h, d = half.shape[1], half.shape[3]
+    logits = keys = None
+    if queries.shape[0] == 1 and not read_keys:
+        logits = logits_in_place(half, block_row, end, queries[0].view(h, -1, d), scale,
+                                 softcap, layout)
+    if logits is None:
+        keys = read_prefix(half, block_row, end, layout)
+    summaries = None if page is None else PageSummaries.kept(pages, page, length=end)
+    held = 0 if norms is None or norms.shape[1] > end else norms.shape[1]
+    start = min(held, end if summaries is None else summaries.reads_from)
+    new = keys[:, start:] if keys is not None else read_range(half, block_row, start, end,
+                                                              layout)  # [H, end - start, D]
+    added = key_norms_of(new[:, held - start:])
+    if summaries is not None:
+        summaries.update(new[None], start=start)
+    return RequestRefresh(memory, queries, keys, previous,
+                          torch.cat([norms[:, :held], added], dim=1) if held else added,
+                          logits), summaries
 
 
 @dataclass(frozen=True)
