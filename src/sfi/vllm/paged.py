@@ -180,8 +180,8 @@ def logits_in_place(half: torch.Tensor, block_row: torch.Tensor, total: int, q: 
     A slow step's dense attention reads every key once; these logits (the Selector's evidence)
     read them a second time. On the host, with keys stored ``[bs, D]`` or dim-major, each run
     of consecutive blocks is one batched product over the cache's own blocks (no copy of the
-    keys: a copy reads and writes them once more, and a refresh with it measured about 8%
-    longer at 16K). Not on a device (the block ids would have to be read back), with a permuted
+    keys: a copy reads and writes them once more; with it a slow step at 16K measured 8-11%
+    longer). Not on a device (the block ids would have to be read back), with a permuted
     layout, or over more than :data:`MAX_RUNS` runs.
     """
     nb, h, bs, d = half.shape
