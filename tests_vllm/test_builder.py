@@ -176,7 +176,7 @@ def test_the_builder_checks_its_layers_against_the_config(sfi_off, window, layer
     with pytest.raises(RuntimeError, match=match):
         builder.build(0, Namespace(num_reqs=1, seq_lens=torch.tensor([12])))
     builder.layer_names = [f"model.layers.{1 - layer}.self_attn.attn"]  # the config's kind
-    builder._layers_checked = False
+    builder._engine_checked = False
     if window is not None:  # a sliding layer of the config: the model's own attention
         assert builder.build(0, Namespace(num_reqs=1, seq_lens=torch.tensor([12]))).seq_lens \
             .tolist() == [12]

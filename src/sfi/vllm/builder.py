@@ -71,8 +71,7 @@ def _book_for(vllm_config: Any) -> RequestBook | None:
     config = state.config
     if config is None:
         return None
-    if state.book is None:
-        refuse_unsupported(vllm_config)
+    if state.book is None:  # (the engine's settings were checked: SFIBuilder._check_engine)
         capacity = slot_capacity(config, vllm_config.model_config.max_model_len)
         classes = None
         if config.trigger == "sentence":
@@ -120,7 +119,7 @@ class SFIBuilder:
     :class:`SFIMetadata`, and the stock ``build`` runs once per part of the batch."""
 
     supports_update_block_table = False
-    _layers_checked = False  # check_layers ran for this builder's layers
+    _engine_checked = False  # _check_engine ran for this builder
     _model_records: bool | None = None  # whether the model's forward plans (_model_plans)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -144,7 +143,7 @@ class SFIBuilder:
             return super().build(common_prefix_len, common, fast_build)
         if not self._full_attention():
             if self._decoder_attention():  # a sliding window: the model's own attention
-                self._check_layers(full=False)
+                self._check_engine(full=False)
             return super().build(common_prefix_len, common, fast_build)
         if _full_graphs(self.vllm_config):
             raise RuntimeError(
@@ -152,7 +151,7 @@ class SFIBuilder:
                 "it and replays CUDA graphs of whole steps, attention included, which cannot run "
                 "SFI's per-step plan: set SFI_VLLM (or call configure) before the engine "
                 "starts, or run it with enforce_eager=True")
-        self._check_layers(full=True)
+        self._check_engine(full=True)
         requests = _book_for(self.vllm_config)
         n = common.num_reqs
         starts = on_host(common.query_start_loc_cpu[: n + 1])
@@ -189,17 +188,18 @@ class SFIBuilder:
             return False
         return getattr(self.kv_cache_spec, "sliding_window", None) in (-1, None)
 
-    def _check_layers(self, full: bool) -> None:
-        """Once per builder: refuse layers whose kind vLLM's KV cache spec (``full``, this
+    def _check_engine(self, full: bool) -> None:
+        """Once per builder, at its first step with SFI on: refuse the engine settings SFI
+        cannot run under (:func:`refuse_unsupported`; first, since a pipeline stage serves
+        only some of the layers), then layers whose kind vLLM's KV cache spec (``full``, this
         builder's) and the model's config (:func:`sfi.cost_model.slow_fast_layers`, the
         request book's :attr:`RequestBook.layers`, where its probes go and a fast step's reads
         are counted) see differently."""
-        if not self._layers_checked:
-            # the engine settings first: a pipeline stage serves only some of the layers
+        if not self._engine_checked:
             refuse_unsupported(self.vllm_config)
             check_layers(slow_fast_layers(self.vllm_config.model_config.hf_text_config),
                          self.layer_names, full)
-            self._layers_checked = True
+            self._engine_checked = True
 
     def build_stock(self, common: CommonAttentionMetadata) -> Any:
         """The stock metadata of ``common`` (a whole batch or a part of it), holding no view
