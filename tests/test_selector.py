@@ -53,13 +53,16 @@ def test_evidence_is_power_mean_of_restricted_softmax():
     assert torch.allclose(geometric.sum(-1), torch.ones(1, 2))
 
 
-def test_evidence_ignores_rows_that_see_nothing():
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0, 2.0])
+def test_evidence_ignores_rows_that_see_nothing(alpha):
+    """A padding query (a row of a batch whose evidence window is shorter than another's)
+    sees no key: the evidence is that of the other rows, whatever the power mean."""
     logits = torch.randn(1, 1, 3, T)
     cand, _, _ = region()
     blind = logits.clone()
     blind[0, 0, 2] = float("-inf")
-    f_two = evidence_distribution(logits[:, :, :2], cand)
-    torch.testing.assert_close(evidence_distribution(blind, cand), f_two)
+    f_two = evidence_distribution(logits[:, :, :2], cand, alpha)
+    torch.testing.assert_close(evidence_distribution(blind, cand, alpha), f_two)
 
 
 def test_prior_transcribes_the_formula():

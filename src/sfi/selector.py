@@ -51,13 +51,14 @@ def evidence_distribution(logits: torch.Tensor, candidates: torch.Tensor,
 
     p_r = softmax of row r over every key it may see, then restricted to M;
     f = ((1/N) sum_r p_r^alpha)^(1/alpha), renormalised over M (alpha = 0: geometric mean).
-    Rows that may see nothing (padding queries) have p_r = 0. ``attention``: the p_r
+    Rows that may see nothing (padding queries) are left out of the mean. ``attention``: the p_r
     ``[B, H, N, T]`` where the caller has them already (the slow step's own softmax).
     """
     p = attention if attention is not None else torch.softmax(logits.float(), dim=-1)
-    n = p.shape[-2]  # a row that sees nothing is NaN: nansum counts it as 0
-    if alpha == 0:
-        f = torch.exp(torch.log(p.nan_to_num(0.0)).mean(dim=-2))
+    n = p.shape[-2]  # a row that sees nothing is NaN: nansum counts it as 0 (the division
+    # by n including it is a constant factor, which the renormalisation takes off)
+    if alpha == 0:  # the mean of log p over the rows that see something
+        f = torch.exp(torch.log(p).nanmean(dim=-2).nan_to_num(nan=NEG_INF))
     elif alpha == 1:
         f = p.nansum(dim=-2) / n
     elif alpha == 0.5:
