@@ -81,6 +81,29 @@ def test_a_step_done_again_for_some_rows_leaves_each_row_as_alone(gap, probe, th
                                        msg=f"row {row} step {step}")
 
 
+def test_a_step_done_again_for_its_margin_leaves_each_row_as_alone():
+    """retry_margin runs a step again for the rows whose next token was uncertain: in a
+    padded batch each row's steps, logits and refresh reasons are those it has alone, and the
+    rows are done again at different steps."""
+    model = tiny_model("qwen3")
+    g = torch.Generator().manual_seed(5)
+    long, short = torch.randint(1, 256, (1, 70), generator=g), torch.randint(1, 256, (1, 45),
+                                                                               generator=g)
+    ids, mask = _padded(long, short)
+    config = SFIConfig(**CONFIG, trigger="fixed", period=50, coverage_layers=0,
+                       retry_margin=0.00025)  # the tiny model is near uniform
+    batch = lockstep(model, ids, config, steps=20, attention_mask=mask)
+    assert any(k[0] != k[1] for k in batch.kinds)
+    reasons = [batch.cache.stats(row).refresh_reasons for row in (0, 1)]
+    assert all(r["margin"] >= 1 for r in reasons), reasons
+    for row, prompt in enumerate((long, short)):
+        alone = _alone(model, prompt, batch, row, config)
+        assert alone.cache.stats().refresh_reasons == reasons[row]
+        for step, (a, b) in enumerate(zip(alone.logits, batch.sfi_logits)):
+            torch.testing.assert_close(a[0], b[row], atol=2e-5, rtol=1e-5,
+                                       msg=f"row {row} step {step}")
+
+
 @pytest.mark.parametrize("scorer", ["sfi", "quest"])
 def test_pages_start_at_each_sequence_so_padding_changes_nothing(scorer):
     """The default preset cuts the cache into pages (paged selection, Quest, the coverage

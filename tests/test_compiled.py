@@ -49,6 +49,9 @@ SFI_CASES = {  # (configuration, left padding of the second row)
     # coverage_retry: flagged steps the routing hook runs again, through the graphs above
     "sfi-retry": (dict(page_size=4, coverage_layers=2, coverage_threshold=0.3, coverage_gap=1,
                        coverage_retry=True, trigger="fixed", period=4), 0),
+    # retry_margin: uncertain steps the routing hook runs again (this tiny model's margins are
+    # 1e-7 to 5e-6)
+    "sfi-margin": (dict(coverage_layers=0, trigger="fixed", period=4, retry_margin=1.5e-6), 0),
     # probes that also read the page after the most attended one (coverage_next)
     "sfi-next": (dict(page_size=4, coverage_layers=2, coverage_threshold=0.5, coverage_gap=1,
                       coverage_next=True, trigger="fixed", period=4), 0),
@@ -64,7 +67,8 @@ SFI_CASES = {  # (configuration, left padding of the second row)
 @pytest.mark.parametrize("method", [*SFI_CASES, "full-static", "full"])
 def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method):
     """Slow, fast and dense steps, a padded batch whose rows refresh at different steps,
-    coverage_retry's steps done again, and repairing slow steps' eager blocks."""
+    coverage_retry's and retry_margin's steps done again, and repairing slow steps' eager
+    blocks."""
     model, tokenizer = tiny_llama_with_tokenizer
     name = method
     torch.manual_seed(1)
@@ -88,7 +92,8 @@ def test_a_compiled_step_equals_the_eager_one(tiny_llama_with_tokenizer, method)
     blocks = compiled.eager_calls - 1  # after the prefill: repairing slow steps' blocks
     if config is not None and config.repair_tokens:
         assert blocks > 0 and compiled.compiled_steps + blocks == STEPS
-    elif config is not None and config.coverage_retry:  # steps done again, compiled too
+    elif config is not None and (config.coverage_retry or config.retry_margin):
+        # steps done again, compiled too
         assert compiled.compiled_steps > STEPS
     else:
         assert blocks == 0 and compiled.compiled_steps == STEPS

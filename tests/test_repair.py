@@ -178,6 +178,10 @@ def test_repairs_are_refused_where_they_cannot_run():
         SFIConfig(repair_tokens=-1)
     with pytest.raises(sfi.SFIConfigError, match="repair_tokens and coverage_retry cannot"):
         SFIConfig(repair_tokens=8, coverage_retry=True)
+    with pytest.raises(sfi.SFIConfigError, match="repair_tokens and retry_margin cannot"):
+        SFIConfig(repair_tokens=8, retry_margin=0.1)
+    with pytest.raises(sfi.SFIConfigError, match="retry_margin must be <= 1"):
+        SFIConfig(retry_margin=1.5)
 
 
 @torch.inference_mode()

@@ -237,6 +237,54 @@ def test_coverage_retry_takes_the_flagged_step_densely(retry):
         assert kinds == ["slow", "fast"] * 5 + ["slow"] and coverage == 5
 
 
+def _margin_run(margin: float):
+    """Ten steps of a tiny Llama without probes, with ``retry_margin=margin``."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, trigger="fixed",
+                       period=50, page_size=4, coverage_layers=0, retry_margin=margin)
+    return lockstep(model, ids, config, steps=10)
+
+
+def test_retry_margin_does_an_uncertain_fast_step_again_densely():
+    """A fast step whose next token's margin (its probability over the second's) is under
+    ``retry_margin`` is done again at once as the row's slow step (reason ``margin``): at a
+    margin of 1 every step is full attention's and the cache holds each position once; at a
+    margin that only the least certain fast step falls under, that step is the first done
+    again (its token from the second pass) and the steps before it are what they are without
+    the lever."""
+    from sfi.planner import top_margin
+
+    plain = _margin_run(0.0)
+    kinds = [k[0] for k in plain.kinds]
+    assert kinds == ["slow"] + ["fast"] * 10
+    assert plain.cache.stats().refresh_reasons["margin"] == 0
+    every = _margin_run(1.0)
+    assert [k[0] for k in every.kinds] == ["slow"] * 11
+    assert every.cache.stats().refresh_reasons["margin"] == 10
+    assert every.cache.get_seq_length() == every.reference.get_seq_length() == 90
+    for step, (a, b) in enumerate(zip(every.sfi_logits, every.full_logits)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=f"step {step}")
+    margins = [float(top_margin(logits)[0]) for logits in plain.sfi_logits]
+    first, second = sorted(range(1, 11), key=lambda i: margins[i])[:2]
+    some = _margin_run((margins[first] + margins[second]) / 2)
+    assert [k[0] for k in some.kinds][:first] == kinds[:first]
+    assert some.kinds[first][0] == "slow"
+    for a, b in zip(some.sfi_logits[:first], plain.sfi_logits[:first]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # the step's token comes from its second pass (dense, over the fast steps' KV)
+    assert not torch.allclose(some.sfi_logits[first], plain.sfi_logits[first])
+    assert some.cache.stats().refresh_reasons["margin"] >= 1
+
+
+def test_top_margin():
+    from sfi.planner import top_margin
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
+    torch.testing.assert_close(top_margin(logits), torch.tensor([0.2, 0.7]))
+    assert top_margin(torch.zeros(2, 1)).tolist() == [1.0, 1.0]
+
+
 def test_a_flag_outlives_another_rows_redo(monkeypatch):
     """A row whose probes flag its memory but which is not done again (here: redo_rows keeps
     row 0 alone) keeps its flag through row 0's second pass and refreshes at its next step,
@@ -244,8 +292,11 @@ def test_a_flag_outlives_another_rows_redo(monkeypatch):
     from sfi.planner import Planner
 
     redo_rows = Planner.redo_rows
-    monkeypatch.setattr(Planner, "redo_rows",
-                        lambda self, plan, missed: redo_rows(self, plan, missed) & {0})
+    def row_0_alone(self, plan, missed, logits=None):
+        flagged, uncertain = redo_rows(self, plan, missed, logits)
+        return flagged & {0}, uncertain & {0}
+
+    monkeypatch.setattr(Planner, "redo_rows", row_0_alone)
     run = _every_memory_flagged(2, True)
     assert [k[0] for k in run.kinds] == ["slow"] * 11  # row 0: every step done again
     assert [k[1] for k in run.kinds] == ["slow", "fast"] * 5 + ["slow"]  # row 1: as before

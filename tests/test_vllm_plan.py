@@ -189,6 +189,8 @@ def test_the_plugins_slots_are_set_in_sfi_vllm():
         configure(SFIConfig(coverage_retry=True))
     with pytest.raises(SFIConfigError, match="repair_tokens runs a step or positions again"):
         parse_settings("repair_tokens=96")
+    with pytest.raises(SFIConfigError, match="retry_margin runs a step or positions again"):
+        parse_settings("retry_margin=0.1")
     with pytest.raises(SFIConfigError, match="coverage_next is a probe of the transformers"):
         parse_settings("coverage_next=true")
     assert parse_settings("coverage_copy=0.5")[0].coverage_copy == 0.5  # both engines' probe

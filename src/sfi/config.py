@@ -216,6 +216,12 @@ class SFIConfig:
     refreshing at the next step; the flagged fast forward is spent and not counted in the read
     fraction (transformers path; models whose layers all attend fully, elsewhere the row
     refreshes at its next step)."""
+    retry_margin: float = 0.0
+    """A fast step whose next-token distribution (the model's output, softmax at temperature
+    1) gives its most likely token less than this much more probability than the second is
+    done again at once as the row's slow step (reason ``margin``), as ``coverage_retry`` does
+    for a probe's flag; the spent fast forward is not counted in the read fraction (0 = off;
+    transformers path, models whose layers all attend fully)."""
 
     # --- exact mode (``mode="exact"``: fast steps draft, one dense forward verifies) ---
     draft_tokens: int = 4
@@ -273,9 +279,11 @@ class SFIConfig:
             )
         _require_int("seed", self.seed, 0)
         _require_int("repair_tokens", self.repair_tokens, 0)
-        if self.repair_tokens and self.coverage_retry:
-            raise SFIConfigError("repair_tokens and coverage_retry cannot be combined: a step "
-                                 "coverage_retry does again is not repaired; set one to 0/False")
+        _require_float("retry_margin", self.retry_margin, 0.0, 1.0)
+        for retry in ("coverage_retry", "retry_margin"):
+            if self.repair_tokens and getattr(self, retry):
+                raise SFIConfigError(f"repair_tokens and {retry} cannot be combined: a step "
+                                     f"{retry} does again is not repaired; turn one off")
         _require_float("alpha", self.alpha, 0.0)
         for name in ("gamma", "w_norm", "w_pos", "eta", "beta", "nms_strength",
                      "exclusivity_strength"):

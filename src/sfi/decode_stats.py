@@ -28,7 +28,8 @@ class DecodeStats:
             another row's repairing slow step re-ran the batch's last positions densely.
         refresh_reasons: refreshes by cause: ``bootstrap`` (after prefill, or the first time the
             context is long enough), ``sentence``, ``interval`` (reuse budget), ``period``
-            (ablation policies).
+            (ablation policies), ``coverage`` (the coverage probes), ``margin`` (an uncertain
+            fast step done again, ``SFIConfig.retry_margin``).
         fast_read_fraction: mean over fast steps of (entries read) / (context length).
         repaired_tokens: positions re-run densely by repairing slow steps before their own
             (``SFIConfig.repair_tokens``: this row's, or another's in its batch, which every

@@ -18,7 +18,7 @@ from sfi.memory_tensors import MemoryTensors
 from sfi.refresh_selection import SelectionGroup
 from sfi.rows import Rows
 from sfi.sequence_policy import DENSE, SLOW, Memory
-from sfi.triggers import COVERAGE
+from sfi.triggers import COVERAGE, MARGIN
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class StepPlan:
     probes: tuple[Probe, ...] = ()
     phase: str | None = None
     block_bias: torch.Tensor | None = None  # a block's [B or 1, Q, T]: causal, pads, holes
-    redo: Redo | None = None  # this forward does a decode step again (coverage_retry)
+    redo: Redo | None = None  # this forward does a decode step again (coverage_retry, retry_margin)
     inputs: tuple[tuple[int, ...], ...] | None = None  # a prompt's last inputs (repair_tokens)
 
     def outcome(self) -> tuple[tuple[str, ...], tuple[str | None, ...], dict[int, Memory]]:
@@ -190,17 +190,20 @@ BLOCK_PHASES: tuple[str, ...] = (VERIFY, REPAIR)  # one dense block (sfi.kernels
 
 @dataclass(frozen=True)
 class Redo:
-    """A decode step done again at once (``SFIConfig.coverage_retry``): ``first`` is the plan
-    that ran, ``flagged`` the fast rows whose coverage probes found their memory missing
-    attention mass and which are done again, ``missed`` every row the probes flagged (a row
-    whose coverage refresh is not due yet keeps its flag, as without the redo). In the second
-    pass the flagged rows take the slow step the probes asked for (reason ``coverage``); the
-    first pass's slow rows, whose refresh is in place already, attend densely (what their slow
-    step computed); every other row does what it did, with the same result."""
+    """A decode step done again at once: ``first`` is the plan that ran, ``flagged`` the fast
+    rows done again (their coverage probes found their memory missing attention mass,
+    ``SFIConfig.coverage_retry``, or their next token was uncertain, ``retry_margin``: those
+    done again for that alone also in ``uncertain``), ``missed`` every row the probes flagged
+    (a row whose coverage refresh is not due yet keeps its flag, as without the redo). In the
+    second pass the flagged rows take a slow step (reason ``coverage``, or ``margin`` for the
+    ``uncertain``); the first pass's slow rows, whose refresh is in place already, attend
+    densely (what their slow step computed); every other row does what it did, with the same
+    result."""
 
     first: StepPlan
     flagged: frozenset[int]
     missed: frozenset[int] = frozenset()
+    uncertain: frozenset[int] = frozenset()
 
     def kinds(self) -> tuple[list[str], list[str | None]]:
         """Each row's kind and refresh reason in the second pass."""
@@ -209,7 +212,7 @@ class Redo:
         for row, kind in enumerate(self.first.kinds):
             if row in self.flagged:
                 kinds.append(SLOW)
-                reasons.append(COVERAGE)
+                reasons.append(MARGIN if row in self.uncertain else COVERAGE)
             else:
                 kinds.append(DENSE if row in slow else kind)
                 reasons.append(None)

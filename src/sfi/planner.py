@@ -327,16 +327,28 @@ class Planner:
         widths = (plan.compact_width, redo.first.compact_width if redo is not None else 0)
         self.compact_width = max(widths)
 
-    def redo_rows(self, plan: StepPlan, missed: Collection[int]) -> frozenset[int]:
-        """The rows of a decode step ``plan`` to do again at once (:class:`Redo`): fast rows
-        whose probes flagged their memory, whose configuration asks for it
-        (``coverage_retry``) and whose coverage refresh is due (``coverage_gap``)."""
+    def redo_rows(self, plan: StepPlan, missed: Collection[int],
+                  logits: torch.Tensor | None = None) -> tuple[frozenset[int], frozenset[int]]:
+        """The rows of a decode step ``plan`` to do again at once (:class:`Redo`), and those
+        of them done again for their margin alone: fast rows whose probes flagged their memory,
+        whose configuration asks for it (``coverage_retry``) and whose coverage refresh is due
+        (``coverage_gap``); and fast rows whose next token was uncertain (``retry_margin``,
+        from the step's output ``logits [B, Q, V]``, the last position's)."""
         if plan.phase is not None or not plan.decode:
-            return frozenset()
+            return frozenset(), frozenset()
         seqs = self.sequences
-        return frozenset(row for row in missed if plan.kinds[row] == FAST
-                         and seqs[row].config.coverage_retry
-                         and seqs[row].steps_since_refresh + 1 >= seqs[row].config.coverage_gap)
+        flagged = frozenset(row for row in missed if plan.kinds[row] == FAST
+                            and seqs[row].config.coverage_retry
+                            and seqs[row].steps_since_refresh + 1
+                            >= seqs[row].config.coverage_gap)
+        asks = [row for row, kind in enumerate(plan.kinds)
+                if kind == FAST and seqs[row].config.retry_margin > 0 and row not in flagged]
+        if not asks or logits is None:
+            return flagged, frozenset()
+        margins = top_margin(logits[asks, -1]).tolist()
+        uncertain = frozenset(row for row, margin in zip(asks, margins)
+                              if margin < seqs[row].config.retry_margin)
+        return flagged | uncertain, uncertain
 
     def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:
         """Per row, what the step did: ``plan.kinds`` (a redone step's merged kinds) with
@@ -367,6 +379,15 @@ class Planner:
         trim = min(seq.pad for seq in self.sequences)
         self.shift(-trim)
         return trim
+
+
+def top_margin(logits: torch.Tensor) -> torch.Tensor:
+    """``[n]``: how much more probability the softmax of ``logits [n, V]`` gives its most
+    likely token than the second (1 for a vocabulary of one)."""
+    if logits.shape[-1] < 2:
+        return logits.new_ones(logits.shape[0], dtype=torch.float32)
+    top = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
 
 
 def _selection_groups(seqs: Sequence[SequenceState], device: torch.device

@@ -143,23 +143,26 @@ class SlowFastCache(WritesInAttention, Cache):
                                  inputs=inputs)
         return StepContext(layers=self.attention, plan=plan, rebuilder=self.rebuilder)
 
-    def end_forward(self, step: StepContext) -> bool:
-        """The planned forward ran: commit its plan and record what it did; or, where its
-        probes flagged rows that redo such a step (``coverage_retry``), forget the position
-        it wrote and return True: the caller runs the same forward again (``sfi.hf``), whose
-        plan is the :class:`~sfi.plan.Redo` of this one."""
+    def end_forward(self, step: StepContext, logits: torch.Tensor | None = None) -> bool:
+        """The planned forward ran (its output ``logits [B, Q, V]``, where the model gave
+        them): commit its plan and record what it did; or, where its probes flagged rows that
+        redo such a step (``coverage_retry``) or a row's next token was uncertain
+        (``retry_margin``), forget the position it wrote and return True: the caller runs the
+        same forward again (``sfi.hf``), whose plan is the :class:`~sfi.plan.Redo` of this
+        one."""
         plan: StepPlan = step.plan
         self.rebuilder.flush()  # the forward's refreshes, stacked over its layers
         for attention in self._attending():
             attention.settle()  # commit what is ready (inside the forward's inference mode)
         missed, copying = step.coverage.missing()
         step.missed.update(missed)
-        flagged = self.planner.redo_rows(plan, step.missed) if plan.redo is None else ()
+        flagged, uncertain = (self.planner.redo_rows(plan, step.missed, logits)
+                              if plan.redo is None else ((), frozenset()))
         step.missed.update(copying)  # the next step needs more; this one was served
         if flagged and self._rewindable():
             for layer in self._sfi_layers():
                 layer.truncate(plan.total_length - plan.query_length)
-            self._redo = Redo(plan, flagged, frozenset(step.missed))
+            self._redo = Redo(plan, frozenset(flagged), frozenset(step.missed), uncertain)
             return True
         self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
         self._kinds = self.planner.executed_kinds(plan, step.lagged)

@@ -28,7 +28,8 @@ SENTENCE = "sentence"
 INTERVAL = "interval"
 PERIOD = "period"
 COVERAGE = "coverage"  # the fast memory missed a page the query bounds highly (sfi.coverage)
-REFRESH_REASONS: tuple[str, ...] = (BOOTSTRAP, SENTENCE, INTERVAL, PERIOD, COVERAGE)
+MARGIN = "margin"  # a fast step's next token was uncertain: done again (SFIConfig.retry_margin)
+REFRESH_REASONS: tuple[str, ...] = (BOOTSTRAP, SENTENCE, INTERVAL, PERIOD, COVERAGE, MARGIN)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class EvictionCache(WritesInAttention, Cache):
         step = EvictionStep(self.policy, decode, self.observer, self._reads)
         return StepContext(layers=self.layers, plan=step)
 
-    def end_forward(self, step: StepContext) -> None:
+    def end_forward(self, step: StepContext, logits: torch.Tensor | None = None) -> None:
         batch = self.layers[0].keys.shape[0]
         self._kinds = ((MASKED if step.plan.decode else "dense"),) * batch
 
