@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 from helpers import lockstep
 
-from sfi import SFIConfig
+from sfi import SFIConfig, SFIError, SlowFastCache
 from sfi.selector import (
     hysteresis_keep,
     pool_positions,
@@ -209,14 +209,14 @@ def test_page_summaries_follow_the_cache_as_it_grows():
     assert first[0].shape[2] == 5 and low.shape[2] == 7
 
 
-def _every_memory_flagged(rows: int, retry: bool):
+def _every_memory_flagged(rows: int, retry: bool, **more):
     """Ten lockstep steps of ``rows`` sequences of a tiny Llama whose coverage probes flag
     every fast memory (threshold 0, a refresh allowed at every step)."""
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (rows, 80), generator=torch.Generator().manual_seed(3))
     config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, trigger="fixed",
                        period=50, page_size=4, coverage_layers=2, coverage_threshold=0.0,
-                       coverage_gap=1, coverage_retry=retry)
+                       coverage_gap=1, coverage_retry=retry, **more)
     return lockstep(model, ids, config, steps=10)
 
 
@@ -261,7 +261,10 @@ def test_retry_margin_does_an_uncertain_fast_step_again_densely():
     assert plain.cache.stats().refresh_reasons["margin"] == 0
     every = _margin_run(1.0)
     assert [k[0] for k in every.kinds] == ["slow"] * 11
-    assert every.cache.stats().refresh_reasons["margin"] == 10
+    stats = every.cache.stats()  # each step counted once, as its second pass
+    assert stats.refresh_reasons["margin"] == 10
+    assert (stats.slow_steps, stats.fast_steps) == (10, 0)
+    assert every.cache.read_fraction()[0] == 1.0
     assert every.cache.get_seq_length() == every.reference.get_seq_length() == 90
     for step, (a, b) in enumerate(zip(every.sfi_logits, every.full_logits)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=f"step {step}")
@@ -275,6 +278,40 @@ def test_retry_margin_does_an_uncertain_fast_step_again_densely():
     # the step's token comes from its second pass (dense, over the fast steps' KV)
     assert not torch.allclose(some.sfi_logits[first], plain.sfi_logits[first])
     assert some.cache.stats().refresh_reasons["margin"] >= 1
+
+
+def test_a_step_flagged_by_its_probes_counts_as_coverage_not_margin():
+    """With coverage_retry and retry_margin both on, a step the probes flag is done again for
+    them (reason coverage), once, whatever its margin."""
+    run = _every_memory_flagged(1, True, retry_margin=1.0)
+    reasons = run.cache.stats().refresh_reasons
+    assert [k[0] for k in run.kinds] == ["slow"] * 11
+    assert (reasons["coverage"], reasons["margin"]) == (10, 0)
+
+
+def test_retry_margin_is_refused_where_a_step_cannot_be_done_again():
+    """A model with sliding-window layers cannot forget a step; a model without output logits
+    gives no margin: both are said, not ignored."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    sliding = AutoModelForCausalLM.from_config(MistralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=24)).eval()
+    with pytest.raises(SFIError, match="retry_margin needs every layer of the model"):
+        SlowFastCache(sliding, SFIConfig(trigger="fixed", retry_margin=0.1))
+    from sfi.hf import cache_argument
+
+    base = tiny_model("llama").model  # hidden states out, no logits
+    config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, coverage_layers=0,
+                       trigger="fixed", retry_margin=0.1)
+    cache = SlowFastCache(base, config)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    key = cache_argument(base)
+    with torch.inference_mode():
+        base(input_ids=ids, use_cache=True, **{key: cache})
+        with pytest.raises(SFIError, match="retry_margin needs the model's output logits"):
+            base(input_ids=ids[:, :1], use_cache=True, position_ids=torch.tensor([[40]]),
+                 **{key: cache})
 
 
 def test_top_margin():

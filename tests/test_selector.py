@@ -63,6 +63,8 @@ def test_evidence_ignores_rows_that_see_nothing(alpha):
     blind[0, 0, 2] = float("-inf")
     f_two = evidence_distribution(logits[:, :, :2], cand, alpha)
     torch.testing.assert_close(evidence_distribution(blind, cand, alpha), f_two)
+    given = torch.softmax(blind, dim=-1)  # the engine's own softmax: NaN there too
+    torch.testing.assert_close(evidence_distribution(blind, cand, alpha, given), f_two)
 
 
 def test_prior_transcribes_the_formula():

@@ -220,8 +220,10 @@ class SFIConfig:
     """A fast step whose next-token distribution (the model's output, softmax at temperature
     1) gives its most likely token less than this much more probability than the second is
     done again at once as the row's slow step (reason ``margin``), as ``coverage_retry`` does
-    for a probe's flag; the spent fast forward is not counted in the read fraction (0 = off;
-    transformers path, models whose layers all attend fully)."""
+    for a probe's flag, whatever ``min_refresh_gap`` and ``coverage_gap`` say (its refresh
+    restarts the reuse count, as any slow step's); the spent fast forward is not counted in
+    the read fraction (0 = off; transformers path, models whose layers all attend fully; exact
+    mode's drafts are not done again)."""
 
     # --- exact mode (``mode="exact"``: fast steps draft, one dense forward verifies) ---
     draft_tokens: int = 4

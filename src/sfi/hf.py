@@ -115,8 +115,8 @@ def _end(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     leave_step(token)
     if step is not None and output is not None and cache.end_forward(
             step, getattr(output, "logits", None)):
-        return model(*args, **kwargs)  # the cache asks for the step again (coverage_retry,
-        # retry_margin)
+        # the cache asks for the step again (coverage_retry, retry_margin)
+        return model(*args, **kwargs)
     return None
 
 

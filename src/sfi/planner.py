@@ -24,6 +24,7 @@ import torch
 
 from sfi.config import SFIConfig
 from sfi.coverage import probe_layers, probe_page
+from sfi.errors import SFIError
 from sfi.kernels import additive_bias, evidence_bias
 from sfi.memory_tensors import MemoryTensors
 from sfi.notices import notice_once
@@ -343,8 +344,11 @@ class Planner:
                             >= seqs[row].config.coverage_gap)
         asks = [row for row, kind in enumerate(plan.kinds)
                 if kind == FAST and seqs[row].config.retry_margin > 0 and row not in flagged]
-        if not asks or logits is None:
+        if not asks:
             return flagged, frozenset()
+        if logits is None or logits.dim() != 3:
+            raise SFIError("retry_margin needs the model's output logits [batch, positions, "
+                           "vocabulary] after each step (a causal LM returning .logits)")
         margins = top_margin(logits[asks, -1]).tolist()
         uncertain = frozenset(row for row, margin in zip(asks, margins)
                               if margin < seqs[row].config.retry_margin)

@@ -99,9 +99,11 @@ class SlowFastCache(WritesInAttention, Cache):
         self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
         self.attention = attention_of(self.layers)
         self.planner = Planner(self._layer_ids)
-        if self.config.repair_tokens and not self._rewindable():
-            raise SFIError("repair_tokens needs every layer of the model to attend fully (a "
-                           "sliding-window layer cannot forget the positions it re-runs)")
+        for name, forgets in (("repair_tokens", "the positions it re-runs"),
+                              ("retry_margin", "the step it does again")):
+            if getattr(self.config, name) and not self._rewindable():
+                raise SFIError(f"{name} needs every layer of the model to attend fully (a "
+                               f"sliding-window layer cannot forget {forgets})")
 
     def writes_in_attention(self, layer_idx: int) -> bool:
         """Whether a compiled step's attention operator writes layer ``layer_idx`` (a slab
