@@ -159,12 +159,12 @@ class SlowFastCache(WritesInAttention, Cache):
         missed, copying = step.coverage.missing()
         step.missed.update(missed)
         flagged, uncertain = (self.planner.redo_rows(plan, step.missed, logits)
-                              if plan.redo is None else ((), frozenset()))
+                              if plan.redo is None else (frozenset(), frozenset()))
         step.missed.update(copying)  # the next step needs more; this one was served
         if flagged and self._rewindable():
             for layer in self._sfi_layers():
                 layer.truncate(plan.total_length - plan.query_length)
-            self._redo = Redo(plan, frozenset(flagged), frozenset(step.missed), uncertain)
+            self._redo = Redo(plan, flagged, frozenset(step.missed), uncertain)
             return True
         self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
         self._kinds = self.planner.executed_kinds(plan, step.lagged)
