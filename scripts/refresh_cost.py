@@ -3,11 +3,15 @@ full-attention step, in one process, on SmolLM2 with synthetic KV (issue 20's ta
 
     .venv/bin/python scripts/refresh_cost.py --context 16384             # sfi's own engine
     .venv-vllm/bin/python scripts/refresh_cost.py --context 16384 --vllm  # vLLM + SFI
+    .venv-vllm/bin/python scripts/refresh_cost.py --context 16384 --vllm --profile
 
 A fixed trigger of period 2 makes every other decode step slow (coverage probes off); the
 medians of each kind are printed with their ratio to the baseline step (in sfi's engine, the
 faster of full attention over transformers' DynamicCache and over its preallocated StaticCache;
-stock vLLM in the same vLLM engine).
+stock vLLM in the same vLLM engine). ``--profile`` (vLLM + SFI) then decodes the steps once
+more under :mod:`cProfile` and prints where the plugin's time goes: sfi's functions by
+cumulative milliseconds per slow step (they run at slow steps; the profiler's own overhead
+inflates the Python-heavy ones).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def own_engine(context: int, batch: int, steps: int) -> None:
           f"fast step {medians['sfi']['fast']:.1f} ms")
 
 
-def plugin(context: int, batch: int, steps: int) -> None:
+def plugin(context: int, batch: int, steps: int, profile: bool = False) -> None:
     from sfi import SFIConfig
     from sfi.bench.throughput import benchmark_ids
     from sfi.bench.vllm import make_engine, time_decode
@@ -83,6 +87,50 @@ def plugin(context: int, batch: int, steps: int) -> None:
     fast, slow = statistics.median(times[:half]), statistics.median(times[half:])
     print(f"vLLM, {context} tokens, batch {batch}: stock step {1000 * stock:.1f} ms; SFI slow "
           f"step {1000 * slow:.1f} ms ({slow / stock:.2f}x); fast step {1000 * fast:.1f} ms")
+    if profile:
+        _profile_plugin(llm, ids, steps)
+
+
+def _profile_plugin(llm, ids: list[list[int]], steps: int, top: int = 25) -> None:
+    """sfi's functions by cumulative time per slow step, over the slow steps among ``steps``
+    decode steps (each step profiled alone, the slow ones kept; the first decode step, the
+    prompt's selection, left out)."""
+    import cProfile
+    import pstats
+
+    from vllm import SamplingParams
+
+    from sfi.bench.vllm import cell_stats
+    from sfi.vllm.metadata import book
+
+    engine, requests = llm.llm_engine, book()
+    earlier = {r.serial for r in requests.requests.values()}
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i, prompt in enumerate(ids):
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
+    kept: list[cProfile.Profile] = []
+    decoded = 0
+    while engine.has_unfinished_requests():
+        before = cell_stats(requests, earlier).slow_steps
+        profiler = cProfile.Profile()
+        profiler.enable()
+        outputs = engine.step()
+        profiler.disable()
+        if decoded > 1 and cell_stats(requests, earlier).slow_steps > before:
+            kept.append(profiler)
+        decoded += bool(outputs) and all(o.outputs and o.outputs[0].token_ids for o in outputs)
+    if not kept:
+        print("no slow step was profiled")
+        return
+    stats = pstats.Stats(kept[0])
+    for profiler in kept[1:]:
+        stats.add(profiler)
+    rows = [(cumulative, function) for function, (_, _, _, cumulative, _)
+            in stats.stats.items()  # type: ignore[attr-defined]
+            if "/sfi/" in function[0]]
+    print(f"sfi's functions, cumulative ms per slow step ({len(kept)} slow steps):")
+    for cumulative, (path, line, name) in sorted(rows, reverse=True)[:top]:
+        print(f"{1000 * cumulative / len(kept):8.1f}  {path.split('/sfi/', 1)[1]}:{line}({name})")
 
 
 def _ids(benchmark_ids, tokenizer, context: int, batch: int) -> torch.Tensor:
@@ -100,8 +148,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--vllm", action="store_true", help="vLLM + SFI against stock vLLM")
+    parser.add_argument("--profile", action="store_true",
+                        help="vLLM + SFI: then where the plugin's time goes (cProfile)")
     args = parser.parse_args()
-    (plugin if args.vllm else own_engine)(args.context, args.batch, args.steps)
+    if args.profile and not args.vllm:
+        parser.error("--profile profiles the vLLM plugin: add --vllm "
+                     "(sfi's own engine: scripts/profile_step.py)")
+    if args.vllm:
+        plugin(args.context, args.batch, args.steps, args.profile)
+    else:
+        own_engine(args.context, args.batch, args.steps)
 
 
 if __name__ == "__main__":
