@@ -379,6 +379,13 @@ def test_incremental_page_summaries_equal_summarising_from_scratch():
     assert PageSummaries(8, (0, 3)).matches(8, (0, 3)) and not PageSummaries(8).matches(8, (0, 3))
 
 
+def reader(keys: torch.Tensor):
+    """A :data:`sfi.coverage.KeyReader` of ``keys [n, H, T, D]`` (all n rows)."""
+    heads = torch.arange(keys.shape[1])[None, :, None]
+    rows = torch.arange(keys.shape[0])[:, None, None]
+    return lambda positions: keys[rows, heads, positions]
+
+
 def test_a_memory_missing_a_heavy_page_is_flagged():
     from sfi.coverage import CoverageChecks, page_scores, probe_layers, unheld_pages
     from sfi.pages import page_bounds, page_boxes
@@ -412,9 +419,9 @@ def test_a_memory_missing_a_heavy_page_is_flagged():
         checks = CoverageChecks()
         for layer in range(layers):  # the heavy page is seen by the last layer only
             last = layer == layers - 1
-            checks.add((0, 1), torch.arange(n), query, scores if last else quiet, keys,
-                       lse if last else quiet_lse, page=page, top=2, threshold=threshold,
-                       scale=scale, softcap=None)
+            checks.add((0, 1), torch.arange(n), query, scores if last else quiet,
+                       reader(keys), lse if last else quiet_lse, length=keys.shape[-2],
+                       page=page, top=2, threshold=threshold, scale=scale, softcap=None)
         missing, copying = checks.missing()
         assert checks.missing() == (set(), set()) and copying == set()  # checked once
         return missing
@@ -462,8 +469,8 @@ def test_the_page_after_the_most_attended_selected_position_is_read_first():
     assert torch.equal(ranked[..., others], scores[..., others])  # nothing else moves
 
     def flagged(s: torch.Tensor, top: int, up: torch.Tensor | None = None) -> bool:
-        return bool(missing_rows([query], [s], [keys], torch.arange(n), [lse], page=page,
-                                 top=top, threshold=0.2, scale=scale,
+        return bool(missing_rows([query], [s], [reader(keys)], [lse], page=page, top=top,
+                                 threshold=0.2, scale=scale, length=keys.shape[-2],
                                  raised=None if up is None else [up])[0])
 
     assert not flagged(scores, top=2) and flagged(scores, top=3)  # page 4 ranks third
@@ -528,8 +535,9 @@ def test_copy_flags_are_kept_apart_and_never_redo_a_step():
     h, g, d, t, page = 1, 1, 4, 32, 4
     scores = torch.full((2, h, t // page), float("-inf"))  # no page to read
     checks.add((0, 1), torch.arange(2), torch.zeros(2, h, g, d), scores,
-               torch.zeros(2, h, t, d), torch.zeros(2, h, g), page=page, top=1, threshold=0.5,
-               scale=1.0, softcap=None, copying=torch.tensor([False, True]))
+               reader(torch.zeros(2, h, t, d)), torch.zeros(2, h, g), length=t, page=page,
+               top=1, threshold=0.5, scale=1.0, softcap=None,
+               copying=torch.tensor([False, True]))
     assert checks.missing() == (set(), {1})
     model = tiny_model("qwen2")
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))

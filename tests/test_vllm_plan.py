@@ -511,3 +511,29 @@ def test_a_benchmark_cells_rates_count_only_its_own_requests():
     own = cell_stats(requests, earlier)
     assert own.decode_steps == 4 and own.fast_steps == 0
     assert cell_stats(requests, set()).fast_steps > 0  # what merging the whole book counted
+
+
+def test_probe_layers_scored_together_equal_each_layer_alone():
+    """The plugin scores the pages of every probe layer of a step in one call per row
+    (``sfi.vllm.probes``): the same scores as each (layer, row) alone, -inf past a row's
+    pages, where the layers of a row hold different numbers of pages too."""
+    from sfi.coverage import page_scores
+    from sfi.vllm.probes import ProbeLayer, _scores
+
+    g = torch.Generator().manual_seed(8)
+    nl, n, h, gq, d = 3, 2, 2, 3, 4
+    counts = [[5, 2], [5, 4], [3, 2]]  # [layer][row] pages
+    query = torch.randn(nl, n, h, gq, d, generator=g)
+    layers = [ProbeLayer(query[j], torch.empty(0), torch.empty(0), None,
+                         tuple(torch.randn(1, h, c, 2 * d, generator=g) for c in counts[j]),
+                         tuple(torch.rand(1, h, c, generator=g) > 0.3 for c in counts[j]),
+                         (), 1.0, None)
+              for j in range(nl)]
+    got = _scores(layers, query).view(nl, n, h, -1)
+    assert got.shape[-1] == 5
+    for j, layer in enumerate(layers):
+        for i in range(n):
+            alone = page_scores(query[j, i: i + 1], layer.boxes[i], layer.outside[i])[0]
+            c = counts[j][i]
+            torch.testing.assert_close(got[j, i, :, :c], alone)
+            assert torch.isneginf(got[j, i, :, c:]).all()

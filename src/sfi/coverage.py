@@ -55,38 +55,44 @@ def probe_layers(count: int, layer_ids: Sequence[int], dense_layers: int) -> tup
     return tuple(sparse[int((j + 0.5) * len(sparse) / count)] for j in range(count))
 
 
+KeyReader = Callable[[torch.Tensor], torch.Tensor]
+"""Reads one probe layer's cached keys of its rows: positions ``[n, H, N]`` -> keys ``[n, H, N,
+D]`` (each engine from its own storage)."""
+
+
 def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor],
-                 keys: Sequence[torch.Tensor], rows: torch.Tensor,
-                 lse: Sequence[torch.Tensor], *, page: int, top: int, threshold: float,
-                 scale: float, softcap: float | None = None,
-                 shift: torch.Tensor | None = None,
+                 readers: Sequence[KeyReader], lse: Sequence[torch.Tensor], *, page: int,
+                 top: int, threshold: float, scale: float, length: int | torch.Tensor,
+                 softcap: float | None = None, shift: torch.Tensor | None = None,
                  raised: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """``[n]`` bool: rows whose fast memory misses attention mass at some of L probe layers
-    (see the module docstring), the layers checked together.
+    (see the module docstring), the layers checked together (:func:`pages_miss` once).
 
     Args:
         queries: L tensors ``[n, H, G, D]``, each probe layer's queries of these rows.
         scores: L tensors ``[n, H, P]``, their :func:`page_scores`.
-        keys: L tensors ``[B, H, T, D]``, each layer's cached keys of the whole batch, of which
-            these are the ``rows [n]``.
+        readers: L :data:`KeyReader`, each layer's cached keys of these rows.
         lse: L tensors ``[n, H, G]``, the log-sum-exp of each layer's fast logits over its
             memory.
+        length: where the rows' keys end (an int for all, or ``[n]``), as in
+            :func:`top_pages`.
         shift: ``[n]`` where each row's pages start (:func:`sfi.pages.page_shift`; None: at
             position 0).
         raised: L tensors ``[n, H]``, where :func:`with_next_pages` ranked a next page first
             (None: the scores are the bound's alone): that page is read beside the ``top``
             best by the bound.
     """
-    layers, n = len(queries), rows.shape[0]
-    heads = torch.arange(keys[0].shape[1], device=rows.device)[None, :, None]
+    layers, n = len(queries), queries[0].shape[0]
 
     def read(positions: torch.Tensor) -> torch.Tensor:  # [L * n, H, N] -> [L * n, H, N, D]
-        return torch.cat([layer_keys[rows[:, None, None], heads, positions[i * n:(i + 1) * n]]
-                          for i, layer_keys in enumerate(keys)])
+        return torch.cat([reader(positions[i * n:(i + 1) * n])
+                          for i, reader in enumerate(readers)])
 
+    if isinstance(length, torch.Tensor):
+        length = length.repeat(layers)
     missed = pages_miss(torch.cat(list(queries)), torch.cat(list(scores)), torch.cat(list(lse)),
                         read, page=page, top=top, threshold=threshold, scale=scale,
-                        softcap=softcap, length=keys[0].shape[-2],
+                        softcap=softcap, length=length,
                         shift=shift.repeat(layers) if shift is not None else None,
                         raised=torch.cat(list(raised)) if raised is not None else None)
     return missed.view(layers, n).any(dim=0)
@@ -120,6 +126,7 @@ class _ProbeGroup:
 
     rows: tuple[int, ...]
     index: torch.Tensor
+    length: int
     shift: torch.Tensor | None
     page: int
     top: int
@@ -128,14 +135,15 @@ class _ProbeGroup:
     softcap: float | None
     queries: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
-    keys: list[torch.Tensor] = field(default_factory=list)
+    readers: list[KeyReader] = field(default_factory=list)
     lse: list[torch.Tensor] = field(default_factory=list)
     raised: list[torch.Tensor] = field(default_factory=list)
     copying: list[torch.Tensor] = field(default_factory=list)
 
 
 class CoverageChecks:
-    """The coverage probes of one forward pass, checked together when it ends.
+    """The coverage probes of one forward pass in the transformers path, checked together when
+    it ends.
 
     A probe layer scores the pages while its queries are at hand (:meth:`add`); the keys of the
     best pages, their attention share and the verdict are computed for all probe layers at once
@@ -148,27 +156,27 @@ class CoverageChecks:
         self._groups: dict[tuple[Any, ...], _ProbeGroup] = {}
 
     def add(self, rows: tuple[int, ...], index: torch.Tensor, query: torch.Tensor,
-            scores: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, *, page: int, top: int,
-            threshold: float, scale: float, softcap: float | None,
-            shift: torch.Tensor | None = None, aligned: tuple[int, ...] | None = None,
-            raised: torch.Tensor | None = None, copying: torch.Tensor | None = None) -> None:
+            scores: torch.Tensor, read: KeyReader, lse: torch.Tensor, *,
+            length: int, page: int, top: int, threshold: float, scale: float,
+            softcap: float | None, shift: torch.Tensor | None = None,
+            aligned: tuple[int, ...] | None = None, raised: torch.Tensor | None = None,
+            copying: torch.Tensor | None = None) -> None:
         """One probe layer's evidence: ``rows`` (``index [n]`` on the device) with their
-        ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the layer's
-        ``keys [B, H, T, D]`` and fast ``lse [n, H, G]``; ``shift [n]`` where their pages
-        start, ``aligned`` the same as Python ints (None: at position 0); ``raised [n, H]``
-        where :func:`with_next_pages` ranked a page first (read beside the ``top``);
-        ``copying [n]`` the rows :func:`copy_runs_out` flags (flagged whatever the pages
-        say)."""
+        ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the reader of the
+        layer's keys of these rows and their fast ``lse [n, H, G]``; ``length`` the cache's
+        (where the keys end); ``shift [n]`` where their pages start, ``aligned`` the same as
+        Python ints (None: at position 0); ``raised [n, H]`` where :func:`with_next_pages`
+        ranked a page first (read beside the ``top``); ``copying [n]`` the rows
+        :func:`copy_runs_out` flags (flagged whatever the pages say)."""
         key = (rows, page, top, threshold, scale, softcap, aligned, tuple(query.shape),
-               tuple(scores.shape), tuple(keys.shape[1:]), raised is not None,
-               copying is not None)
+               tuple(scores.shape), length, raised is not None, copying is not None)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _ProbeGroup(rows, index, shift, page, top, threshold,
-                                                    scale, softcap)
+            group = self._groups[key] = _ProbeGroup(rows, index, length, shift, page, top,
+                                                    threshold, scale, softcap)
         group.queries.append(query)
         group.scores.append(scores)
-        group.keys.append(keys)
+        group.readers.append(read)
         group.lse.append(lse)
         if raised is not None:
             group.raised.append(raised)
@@ -182,8 +190,8 @@ class CoverageChecks:
         missed: set[int] = set()
         copying: set[int] = set()
         for g in self._groups.values():
-            found = missing_rows(g.queries, g.scores, g.keys, g.index, g.lse, page=g.page,
-                                 top=g.top, threshold=g.threshold, scale=g.scale,
+            found = missing_rows(g.queries, g.scores, g.readers, g.lse, page=g.page, top=g.top,
+                                 threshold=g.threshold, scale=g.scale, length=g.length,
                                  softcap=g.softcap, shift=g.shift, raised=g.raised or None)
             ahead = torch.stack(g.copying).any(dim=0) if g.copying else torch.zeros_like(found)
             for row, miss, copy in zip(g.rows, *torch.stack([found, ahead]).tolist()):

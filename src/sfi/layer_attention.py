@@ -214,10 +214,18 @@ class SlowFastAttention(AttendingLayer):
         if probe.copy_share:
             copying = copy_runs_out(memory_logits, lse, memory, target.held, target.hi,
                                     share=probe.copy_share)
+        keys = self.store.keys  # [B, H, T, D]
+        heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
+        index = rows.index[:, None, None]
+
+        def read(positions: torch.Tensor) -> torch.Tensor:  # [n, H, N] -> [n, H, N, D]
+            return keys[index, heads, positions]
+
         step.coverage.add(
-            rows.indices, rows.index, query, scores, self.store.keys, lse, page=probe.page,
-            top=probe.top, threshold=probe.threshold, scale=scale, softcap=softcap,
-            shift=shift, aligned=probe.aligned, raised=raised, copying=copying)
+            rows.indices, rows.index, query, scores, read, lse, length=keys.shape[-2],
+            page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
+            softcap=softcap, shift=shift, aligned=probe.aligned, raised=raised,
+            copying=copying)
 
     def _unheld_pages(self, probe: Probe, memory: torch.Tensor, shift: torch.Tensor | None,
                       pages: int) -> torch.Tensor:

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from sfi.coverage import copy_runs_out, page_scores, pages_miss, probe_page, unheld_pages
-from sfi.kernels import attention_logits
+from sfi.coverage import probe_page, unheld_pages
 from sfi.memory_tensors import MemoryTensors, memory_positions
 from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
@@ -31,11 +30,11 @@ from sfi.vllm.paged import (
     CacheLayout,
     empty_like_cache,
     probe_layout,
-    read_blocks,
     read_positions,
     read_refresh,
     window_selections,
 )
+from sfi.vllm.probes import ProbeLayer, check_probes
 from sfi.vllm.requests import SELECT, RequestBook, RowPlan
 
 log = logging.getLogger(__name__)
@@ -153,9 +152,14 @@ class SFIImpl:
 
     def _finish(self, md: SFIMetadata, output: torch.Tensor) -> torch.Tensor:
         """After the step's last layer: the slow rows' refreshes, all layers' selected together
-        and packed (their memories are read from the next step on)."""
+        and packed (their memories are read from the next step on), and the probe layers'
+        checks, all at once (:func:`~sfi.vllm.probes.check_probes`), their flags kept where
+        the model runs (no wait for the device here): the next step's plan reads them in its
+        one transfer."""
         if self.layer_idx == md.last_layer:
             md.rebuilder.flush()
+            if md.probes:
+                check_probes(md.probes, md)
         return output
 
     def _ensure_buffers(self, requests: RequestBook, md: SFIMetadata, kv_cache: torch.Tensor,
@@ -236,62 +240,20 @@ class SFIImpl:
 
     def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """Check every fast row's memory at once: flag the slots whose memory misses pages the
-        query bounds highly, and with ``coverage_copy`` those whose copy is about to run past
-        what they hold (their requests refresh at a later step; ``sfi.coverage``). Only the
-        page bounds and the copies' slot positions are taken row by row (each request's boxes
-        and selection are its own tensors)."""
-        c = requests.config
+        """Keep what this probe layer's check needs (:class:`~sfi.vllm.probes.ProbeLayer`):
+        the step's probe layers are checked together after its last layer
+        (:func:`~sfi.vllm.probes.check_probes`, from :meth:`_finish`)."""
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]
-        memory_keys = layout.halves(self.buffer)[0]
         h, d = cache_keys.shape[1], cache_keys.shape[3]
-        softcap = getattr(self, "logits_soft_cap", None) or None
         plans = md.fast_plans
-        q = query.index_select(0, md.fast_tokens).view(len(plans), h, -1, d)  # [n, H, G, D]
-        keys = read_blocks(memory_keys, md.fast_blocks, layout.keys)  # [n, H, slot, D]
-        logits = attention_logits(q, keys, self.scale, softcap)  # [n, H, G, slot]
-        lengths = torch.tensor([p.length for p in plans], device=q.device)
-        unwritten = torch.arange(keys.shape[2], device=q.device) >= lengths[:, None]
-        lse = torch.logsumexp(logits.masked_fill(unwritten[:, None, None], float("-inf")), -1)
-        boxes = [self.records[p.slot].coverage for p in plans]
-        scores = torch.full((len(plans), h, max(b.boxes.shape[2] for b in boxes)),
-                            float("-inf"), device=q.device)
-        for i, held in enumerate(boxes):
-            scores[i, :, : held.boxes.shape[2]] = page_scores(q[i: i + 1], held.boxes,
-                                                             held.outside)[0]
-        rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
-        blocks = md.block_table.index_select(0, rows)
-        found = pages_miss(
-            q, scores, lse, lambda positions: read_positions(cache_keys, blocks, positions,
-                                                             layout.keys),
-            page=probe_page(c), top=c.coverage_top, threshold=c.coverage_threshold,
-            scale=self.scale, softcap=softcap,
-            length=torch.tensor([p.total for p in plans], device=q.device))  # in its blocks
-        if c.coverage_copy:  # flagged whatever the pages say
-            found = found | self._copies(plans, logits, lse, c.coverage_copy)
-        # kept where the model runs (no wait for the device here); the next step's plan reads
-        # every layer's flags in its one transfer
-        requests.missed[md.fast_slot_index] |= found
-
-    def _copies(self, plans: list[RowPlan], logits: torch.Tensor, lse: torch.Tensor,
-                share: float) -> torch.Tensor:
-        """``[n]`` bool: :func:`sfi.coverage.copy_runs_out` of the fast rows ``plans``, whose
-        ``logits [n, H, G, slot]`` over their slots (sinks, then the selected positions, then
-        the recent window) have the log-sum-exp ``lse [n, H, G]`` (``coverage_copy``). Only the
-        selected slots are held, so only their positions are written (the others are never
-        read)."""
-        memories = [p.memory for p in plans]
-        width = max(m.sink_count + m.k for m in memories)
-        n, h, device = len(plans), logits.shape[1], logits.device
-        positions = torch.full((n, h, width), -1, dtype=torch.long, device=device)
-        for row, (plan, memory) in enumerate(zip(plans, memories)):
-            sinks, k = memory.sink_count, memory.k
-            positions[row, :, sinks: sinks + k] = self.records[plan.slot].selected
-        geometry = MemoryTensors.of(memories, device)
-        held = geometry.selected_slots(width, geometry.sink_count)
-        return copy_runs_out(logits[..., :width], lse, positions, held, geometry.hi,
-                             share=share)
+        records = [self.records[p.slot] for p in plans]
+        md.probes.append(ProbeLayer(
+            query.index_select(0, md.fast_tokens).view(len(plans), h, -1, d),
+            layout.halves(self.buffer)[0], cache_keys, layout.keys,
+            tuple(r.coverage.boxes for r in records), tuple(r.coverage.outside for r in records),
+            tuple(r.selected for r in records), self.scale,
+            getattr(self, "logits_soft_cap", None) or None))
 
 
 def _keys_end(plan: RowPlan) -> int:

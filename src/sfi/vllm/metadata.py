@@ -152,7 +152,8 @@ class SFIMetadata:
         plans: what each row does (empty until planned); refreshing: the slow and selecting
             rows among them; recording: the prompt chunks whose last queries are kept.
         last_layer: the last model layer this metadata serves (the builder's), after which
-            the slow rows' refreshes held by ``rebuilder`` are selected together and packed.
+            the slow rows' refreshes held by ``rebuilder`` are selected together and packed,
+            and the probe layers kept in ``probes`` are checked together.
     """
 
     common: CommonAttentionMetadata
@@ -180,6 +181,7 @@ class SFIMetadata:
     input_ids: torch.Tensor | None = None  # the step's input tokens, attached by the model
     last_layer: int = -1
     rebuilder: StackingRebuilder = field(default_factory=StackingRebuilder)
+    probes: list[Any] = field(default_factory=list)  # the probe layers' sfi.vllm.probes.ProbeLayer
 
     def plan(self) -> None:
         """Decide every row (once per step, before its first layer runs) and build the stock

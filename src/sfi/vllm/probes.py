@@ -1,0 +1,148 @@
+"""The vLLM plugin's coverage probes (``sfi.coverage``), checked once per step.
+
+A probe layer only keeps what its check needs while the step runs (:class:`ProbeLayer`: its
+fast rows' queries, where its buffer and cache keep their keys, each row's page boxes and
+selection); after the step's last layer :func:`check_probes` checks every probe layer at once:
+the memories' log-sum-exp from the slots, the pages' bounds, the copy flags (``coverage_copy``)
+and the verdict (:func:`sfi.coverage.missing_rows`, the transformers path's, with a reader of
+each layer's paged cache). The stock kernel gives no log-sum-exp, so the memories' logits are
+computed again from the slots; done for all probe layers together, a step runs a fixed number
+of small tensor operations instead of that number per probe layer (on CPU their fixed costs
+outweigh their arithmetic). The flags stay where the model runs: the next step's plan reads
+them in its one transfer.
+
+Shapes: L probe layers, n fast rows, H KV heads, G query heads per KV head, D head size,
+P pages, S slot entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sfi.coverage import copy_runs_out, missing_rows, page_scores, probe_page
+from sfi.kernels import attention_logits
+from sfi.memory_tensors import MemoryTensors
+from sfi.vllm.paged import KeyLayout, read_blocks, read_positions
+
+
+@dataclass(frozen=True)
+class ProbeLayer:
+    """One probe layer's part of a step's check.
+
+    Attributes:
+        query: ``[n, H, G, D]`` the fast rows' queries.
+        memory_keys / cache_keys: the key halves of the layer's buffer (the rows' slots) and
+            of vLLM's cache; layout: how both store a block's keys.
+        boxes / outside: per fast row, its page boxes ``[1, H, P_i, 2 D]`` and the pages its
+            memory holds nothing of ``[1, H, P_i]``.
+        selected: per fast row, its memory's selected positions ``[H, k_i]``.
+        scale / softcap: the layer's attention scale and logit cap.
+    """
+
+    query: torch.Tensor
+    memory_keys: torch.Tensor
+    cache_keys: torch.Tensor
+    layout: KeyLayout
+    boxes: tuple[torch.Tensor, ...]
+    outside: tuple[torch.Tensor, ...]
+    selected: tuple[torch.Tensor, ...]
+    scale: float
+    softcap: float | None
+
+
+def check_probes(layers: Sequence[ProbeLayer], md: Any) -> None:
+    """Check the step's probe ``layers`` (of the same scale and cap: one group each
+    otherwise) and flag, in ``md.book.missed``, the slots of the fast rows of ``md`` (an
+    :class:`~sfi.vllm.metadata.SFIMetadata`) whose memory misses pages the query bounds
+    highly at some probe layer, or (``coverage_copy``) whose copy is about to run past what
+    it holds."""
+    groups: dict[tuple[float, float | None], list[ProbeLayer]] = {}
+    for layer in layers:
+        groups.setdefault((layer.scale, layer.softcap), []).append(layer)
+    for (scale, softcap), group in groups.items():
+        found = _check(group, md, scale, softcap)
+        md.book.missed[md.fast_slot_index] |= found
+
+
+def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """``[n]`` bool: the fast rows flagged at some of ``layers``."""
+    c = md.book.config
+    plans = md.fast_plans
+    nl, n = len(layers), len(plans)
+    q = torch.cat([layer.query for layer in layers])  # [L n, H, G, D]
+    logits = torch.cat([  # [L n, H, G, S] (a layer's slot keys, [n, H, S, D], read once)
+        attention_logits(layer.query, read_blocks(layer.memory_keys, md.fast_blocks,
+                                                  layer.layout), scale, softcap)
+        for layer in layers])
+    device = q.device
+    lengths = torch.tensor([p.length for p in plans], device=device).repeat(nl)
+    unwritten = torch.arange(logits.shape[-1], device=device) >= lengths[:, None]
+    lse = torch.logsumexp(logits.masked_fill(unwritten[:, None, None], float("-inf")), -1)
+    scores = _scores(layers, q.view(nl, n, *q.shape[1:]))  # [L n, H, P]
+    rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
+    blocks = md.block_table.index_select(0, rows)
+    readers = [_reader(layer, blocks) for layer in layers]
+    per_layer = [slice(i * n, (i + 1) * n) for i in range(nl)]
+    found = missing_rows([q[s] for s in per_layer], [scores[s] for s in per_layer], readers,
+                         [lse[s] for s in per_layer], page=probe_page(c), top=c.coverage_top,
+                         threshold=c.coverage_threshold, scale=scale, softcap=softcap,
+                         length=torch.tensor([p.total for p in plans], device=device))
+    if c.coverage_copy:  # flagged whatever the pages say
+        found = found | _copies(layers, plans, logits, lse, c.coverage_copy)
+    return found
+
+
+def _reader(layer: ProbeLayer, blocks: torch.Tensor):
+    """The layer's :data:`sfi.coverage.KeyReader` of the fast rows (their ``blocks``)."""
+    return lambda positions: read_positions(layer.cache_keys, blocks, positions, layer.layout)
+
+
+def _scores(layers: Sequence[ProbeLayer], query: torch.Tensor) -> torch.Tensor:
+    """``[L n, H, P]`` the page scores (:func:`sfi.coverage.page_scores`) of ``query [L, n, H,
+    G, D]``, row by row over the layers (each request's boxes are its own tensors; P the most
+    pages of any), -inf past a row's pages."""
+    nl, n, h = query.shape[:3]
+    pages = max(b.shape[2] for layer in layers for b in layer.boxes)
+    scores = torch.full((nl, n, h, pages), float("-inf"), device=query.device)
+    for i in range(n):
+        count = max(layer.boxes[i].shape[2] for layer in layers)
+        boxes = torch.cat([_pad_pages(layer.boxes[i], count) for layer in layers])
+        outside = torch.cat([_pad_pages(layer.outside[i], count) for layer in layers])
+        scores[:, i, :, :count] = page_scores(query[:, i], boxes, outside)  # [L, H, P_i]
+    return scores.view(nl * n, h, pages)
+
+
+def _pad_pages(t: torch.Tensor, count: int) -> torch.Tensor:
+    """``t [1, H, P', ...]`` with ``count`` pages (zeros past P': boxes of no page, pages
+    outside nothing)."""
+    missing = count - t.shape[2]
+    if missing == 0:
+        return t
+    return torch.cat([t, t.new_zeros(*t.shape[:2], missing, *t.shape[3:])], dim=2)
+
+
+def _copies(layers: Sequence[ProbeLayer], plans: Sequence[Any], logits: torch.Tensor,
+            lse: torch.Tensor, share: float) -> torch.Tensor:
+    """``[n]`` bool: :func:`sfi.coverage.copy_runs_out` of the fast rows ``plans`` at some of
+    ``layers``, whose ``logits [L n, H, G, S]`` over their slots (sinks, then the selected
+    positions, then the recent window) have the log-sum-exp ``lse [L n, H, G]``. Only the
+    selected slots are held, so only their positions are written (the others are never
+    read)."""
+    memories = [p.memory for p in plans]
+    width = max(m.sink_count + m.k for m in memories)
+    nl, n, h, device = len(layers), len(plans), logits.shape[1], logits.device
+    positions = torch.full((nl, n, h, width), -1, dtype=torch.long, device=device)
+    for j, layer in enumerate(layers):
+        for row, memory in enumerate(memories):
+            positions[j, row, :, memory.sink_count: memory.sink_count + memory.k] = \
+                layer.selected[row]
+    geometry = MemoryTensors.of(memories, device)
+    held = geometry.selected_slots(width, geometry.sink_count).repeat(nl, 1)
+    flags = copy_runs_out(logits[..., :width], lse, positions.view(nl * n, h, width), held,
+                          geometry.hi.repeat(nl), share=share)
+    return flags.view(nl, n).any(dim=0)
