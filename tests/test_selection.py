@@ -419,7 +419,7 @@ def test_a_memory_missing_a_heavy_page_is_flagged():
         checks = CoverageChecks()
         for layer in range(layers):  # the heavy page is seen by the last layer only
             last = layer == layers - 1
-            checks.add((0, 1), torch.arange(n), query, scores if last else quiet,
+            checks.add((0, 1), query, scores if last else quiet,
                        reader(keys), lse if last else quiet_lse, length=keys.shape[-2],
                        page=page, top=2, threshold=threshold, scale=scale, softcap=None)
         missing, copying = checks.missing()
@@ -534,7 +534,7 @@ def test_copy_flags_are_kept_apart_and_never_redo_a_step():
     checks = CoverageChecks()
     h, g, d, t, page = 1, 1, 4, 32, 4
     scores = torch.full((2, h, t // page), float("-inf"))  # no page to read
-    checks.add((0, 1), torch.arange(2), torch.zeros(2, h, g, d), scores,
+    checks.add((0, 1), torch.zeros(2, h, g, d), scores,
                reader(torch.zeros(2, h, t, d)), torch.zeros(2, h, g), length=t, page=page,
                top=1, threshold=0.5, scale=1.0, softcap=None,
                copying=torch.tensor([False, True]))

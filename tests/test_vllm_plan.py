@@ -537,3 +537,99 @@ def test_probe_layers_scored_together_equal_each_layer_alone():
             c = counts[j][i]
             torch.testing.assert_close(got[j, i, :, :c], alone)
             assert torch.isneginf(got[j, i, :, c:]).all()
+
+
+def _probe_alone(layer, md, c):
+    """One probe layer's flags checked alone, with the shared primitives (what the plugin did
+    in each probe layer before its probes were checked together)."""
+    from sfi.coverage import copy_runs_out, page_scores, pages_miss, probe_page
+    from sfi.kernels import attention_logits
+    from sfi.memory_tensors import MemoryTensors
+    from sfi.vllm.paged import read_blocks, read_positions
+
+    plans, q = md.fast_plans, layer.query
+    n, h = q.shape[:2]
+    logits = attention_logits(q, read_blocks(layer.memory_keys, md.fast_blocks, layer.layout),
+                              layer.scale, layer.softcap)
+    unwritten = torch.arange(logits.shape[-1]) >= torch.tensor([p.length for p in plans])[:, None]
+    lse = torch.logsumexp(logits.masked_fill(unwritten[:, None, None], float("-inf")), -1)
+    scores = torch.full((n, h, max(b.shape[2] for b in layer.boxes)), float("-inf"))
+    for i in range(n):
+        scores[i, :, : layer.boxes[i].shape[2]] = page_scores(q[i: i + 1], layer.boxes[i],
+                                                             layer.outside[i])[0]
+    blocks = md.block_table.index_select(0, torch.tensor([p.row for p in plans]))
+    found = pages_miss(q, scores, lse,
+                       lambda pos: read_positions(layer.cache_keys, blocks, pos, layer.layout),
+                       page=probe_page(c), top=c.coverage_top, threshold=c.coverage_threshold,
+                       scale=layer.scale, softcap=layer.softcap,
+                       length=torch.tensor([p.total for p in plans]))
+    if c.coverage_copy:
+        memories = [p.memory for p in plans]
+        width = max(m.sink_count + m.k for m in memories)
+        positions = torch.full((n, h, width), -1, dtype=torch.long)
+        for r, m in enumerate(memories):
+            positions[r, :, m.sink_count: m.sink_count + m.k] = layer.selected[r]
+        at = MemoryTensors.of(memories, "cpu")
+        found = found | copy_runs_out(logits[..., :width], lse, positions,
+                                      at.selected_slots(width, at.sink_count), at.hi,
+                                      share=c.coverage_copy)
+    return found
+
+
+def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
+    """``sfi.vllm.probes.check_probes`` (every probe layer of a step at once, after its last
+    layer) flags the slots that checking each layer alone flags: rows of different lengths
+    and page counts, several probe layers of different scales and caps (checked in groups),
+    with and without ``coverage_copy``, at thresholds that flag many rows and few."""
+    import random
+    from types import SimpleNamespace
+
+    from sfi.sequence_policy import Memory
+    from sfi.vllm.probes import ProbeLayer, check_probes
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    bs, per_slot, h, gq, d, page, slots, blocks = 4, 6, 2, 2, 8, 4, 4, 64
+    flagged = checked = 0
+    for _ in range(16):
+        n, nl = rng.randint(1, 3), rng.randint(1, 4)
+        used = rng.sample(range(slots), n)
+        plans = []
+        for row, slot in enumerate(used):
+            total, k = rng.randint(40, 60), rng.randint(2, 8)
+            memory = Memory(pad=0, sink=2, sink_end=2, recent_start=total - 5, k=k)
+            plans.append(SimpleNamespace(row=row, slot=slot, total=total, memory=memory,
+                                         length=min(2 + k + 5 + rng.randint(0, 3),
+                                                    per_slot * bs)))
+        c = SimpleNamespace(page_size=page, coverage_top=rng.randint(1, 3),
+                            coverage_threshold=rng.choice([0.05, 0.5, 0.9]),
+                            coverage_copy=rng.choice([0, 0.5, 0.9]))
+        md = SimpleNamespace(
+            fast_plans=plans, block_table=torch.stack([torch.randperm(blocks)[:16]
+                                                       for _ in range(n)]),
+            fast_blocks=torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]
+                                      for p in plans]),
+            fast_slot_index=torch.tensor(used),
+            book=SimpleNamespace(config=c, missed=torch.zeros(slots, dtype=torch.bool)))
+        layers = []
+        for _ in range(nl):
+            boxes, outside, selected = [], [], []
+            for p in plans:
+                count = rng.randint(0, p.total // page)
+                low = torch.randn(1, h, count, d)
+                boxes.append(torch.cat([low, low + torch.rand(1, h, count, d)], -1))
+                outside.append(torch.rand(1, h, count) > 0.4)
+                selected.append(torch.randint(p.memory.sink_end, p.memory.recent_start,
+                                              (h, p.memory.k)))
+            layers.append(ProbeLayer(torch.randn(n, h, gq, d) * 3,
+                                     torch.randn(slots * per_slot, h, bs, d),
+                                     torch.randn(blocks, h, bs, d), None, tuple(boxes),
+                                     tuple(outside), tuple(selected),
+                                     rng.choice([0.3, 0.5]), rng.choice([None, 5.0])))
+        expected = torch.zeros(slots, dtype=torch.bool)
+        for layer in layers:
+            expected[md.fast_slot_index] |= _probe_alone(layer, md, c)
+        check_probes(layers, md)
+        assert torch.equal(md.book.missed, expected)
+        flagged, checked = flagged + int(expected.sum()), checked + n
+    assert flagged > 4 and checked - flagged > 4, (flagged, checked)  # both verdicts seen

@@ -125,7 +125,6 @@ class _ProbeGroup:
     :func:`missing_rows`), and what each of them added."""
 
     rows: tuple[int, ...]
-    index: torch.Tensor
     length: int
     shift: torch.Tensor | None
     page: int
@@ -155,13 +154,13 @@ class CoverageChecks:
     def __init__(self) -> None:
         self._groups: dict[tuple[Any, ...], _ProbeGroup] = {}
 
-    def add(self, rows: tuple[int, ...], index: torch.Tensor, query: torch.Tensor,
-            scores: torch.Tensor, read: KeyReader, lse: torch.Tensor, *,
+    def add(self, rows: tuple[int, ...], query: torch.Tensor, scores: torch.Tensor,
+            read: KeyReader, lse: torch.Tensor, *,
             length: int, page: int, top: int, threshold: float, scale: float,
             softcap: float | None, shift: torch.Tensor | None = None,
             aligned: tuple[int, ...] | None = None, raised: torch.Tensor | None = None,
             copying: torch.Tensor | None = None) -> None:
-        """One probe layer's evidence: ``rows`` (``index [n]`` on the device) with their
+        """One probe layer's evidence: ``rows`` (the batch's indices) with their
         ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the reader of the
         layer's keys of these rows and their fast ``lse [n, H, G]``; ``length`` the cache's
         (where the keys end); ``shift [n]`` where their pages start, ``aligned`` the same as
@@ -172,8 +171,8 @@ class CoverageChecks:
                tuple(scores.shape), length, raised is not None, copying is not None)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _ProbeGroup(rows, index, length, shift, page, top,
-                                                    threshold, scale, softcap)
+            group = self._groups[key] = _ProbeGroup(rows, length, shift, page, top, threshold,
+                                                    scale, softcap)
         group.queries.append(query)
         group.scores.append(scores)
         group.readers.append(read)

@@ -222,7 +222,7 @@ class SlowFastAttention(AttendingLayer):
             return keys[index, heads, positions]
 
         step.coverage.add(
-            rows.indices, rows.index, query, scores, read, lse, length=keys.shape[-2],
+            rows.indices, query, scores, read, lse, length=keys.shape[-2],
             page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
             softcap=softcap, shift=shift, aligned=probe.aligned, raised=raised,
             copying=copying)

@@ -147,7 +147,7 @@ class SFIImpl:
                   md.fast, part)
             output.index_copy_(0, md.fast_tokens, part)
             if self.layer_idx in requests.probes:
-                self._probe_coverage(layer, requests, md, query, kv_cache)
+                self._probe_coverage(layer, md, query, kv_cache)
         return self._finish(md, output)
 
     def _finish(self, md: SFIMetadata, output: torch.Tensor) -> torch.Tensor:
@@ -160,6 +160,7 @@ class SFIImpl:
             md.rebuilder.flush()
             if md.probes:
                 check_probes(md.probes, md)
+                md.probes.clear()
         return output
 
     def _ensure_buffers(self, requests: RequestBook, md: SFIMetadata, kv_cache: torch.Tensor,
@@ -238,8 +239,8 @@ class SFIImpl:
                 else:
                     md.rebuilder.submit(refresh, [])
 
-    def _probe_coverage(self, layer: Any, requests: RequestBook, md: SFIMetadata,
-                        query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    def _probe_coverage(self, layer: Any, md: SFIMetadata, query: torch.Tensor,
+                        kv_cache: torch.Tensor) -> None:
         """Keep what this probe layer's check needs (:class:`~sfi.vllm.probes.ProbeLayer`):
         the step's probe layers are checked together after its last layer
         (:func:`~sfi.vllm.probes.check_probes`, from :meth:`_finish`)."""

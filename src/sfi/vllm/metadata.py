@@ -27,6 +27,7 @@ from vllm.distributed import (
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from sfi.overlap import StackingRebuilder
+from sfi.vllm.probes import ProbeLayer
 from sfi.vllm.requests import DENSE, FAST, SELECT, SLOW, RequestBook, RowPlan
 from sfi.vllm.settings import plugin_state
 
@@ -154,6 +155,7 @@ class SFIMetadata:
         last_layer: the last model layer this metadata serves (the builder's), after which
             the slow rows' refreshes held by ``rebuilder`` are selected together and packed,
             and the probe layers kept in ``probes`` are checked together.
+        probes: what each probe layer of the step keeps for that check.
     """
 
     common: CommonAttentionMetadata
@@ -181,7 +183,7 @@ class SFIMetadata:
     input_ids: torch.Tensor | None = None  # the step's input tokens, attached by the model
     last_layer: int = -1
     rebuilder: StackingRebuilder = field(default_factory=StackingRebuilder)
-    probes: list[Any] = field(default_factory=list)  # the probe layers' sfi.vllm.probes.ProbeLayer
+    probes: list[ProbeLayer] = field(default_factory=list)
 
     def plan(self) -> None:
         """Decide every row (once per step, before its first layer runs) and build the stock

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sfi.coverage import copy_runs_out, missing_rows, page_scores, probe_page
+from sfi.coverage import KeyReader, copy_runs_out, missing_rows, page_scores, probe_page
 from sfi.kernels import attention_logits
 from sfi.memory_tensors import MemoryTensors
 from sfi.vllm.paged import KeyLayout, read_blocks, read_positions
@@ -55,17 +55,18 @@ class ProbeLayer:
 
 
 def check_probes(layers: Sequence[ProbeLayer], md: Any) -> None:
-    """Check the step's probe ``layers`` (of the same scale and cap: one group each
-    otherwise) and flag, in ``md.book.missed``, the slots of the fast rows of ``md`` (an
+    """Check the step's probe ``layers`` (together where their scale, cap and shapes agree: in
+    groups otherwise) and flag, in ``md.book.missed``, the slots of the fast rows of ``md`` (an
     :class:`~sfi.vllm.metadata.SFIMetadata`) whose memory misses pages the query bounds
     highly at some probe layer, or (``coverage_copy``) whose copy is about to run past what
     it holds."""
-    groups: dict[tuple[float, float | None], list[ProbeLayer]] = {}
+    groups: dict[tuple[Any, ...], list[ProbeLayer]] = {}
     for layer in layers:
-        groups.setdefault((layer.scale, layer.softcap), []).append(layer)
-    for (scale, softcap), group in groups.items():
-        found = _check(group, md, scale, softcap)
-        md.book.missed[md.fast_slot_index] |= found
+        key = (layer.scale, layer.softcap, tuple(layer.query.shape),
+               tuple(layer.memory_keys.shape[1:]))
+        groups.setdefault(key, []).append(layer)
+    for (scale, softcap, *_), group in groups.items():
+        md.book.missed[md.fast_slot_index] |= _check(group, md, scale, softcap)
 
 
 def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
@@ -88,7 +89,8 @@ def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
     blocks = md.block_table.index_select(0, rows)
     readers = [_reader(layer, blocks) for layer in layers]
     per_layer = [slice(i * n, (i + 1) * n) for i in range(nl)]
-    found = missing_rows([q[s] for s in per_layer], [scores[s] for s in per_layer], readers,
+    found = missing_rows([layer.query for layer in layers], [scores[s] for s in per_layer],
+                         readers,
                          [lse[s] for s in per_layer], page=probe_page(c), top=c.coverage_top,
                          threshold=c.coverage_threshold, scale=scale, softcap=softcap,
                          length=torch.tensor([p.total for p in plans], device=device))
@@ -97,7 +99,7 @@ def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
     return found
 
 
-def _reader(layer: ProbeLayer, blocks: torch.Tensor):
+def _reader(layer: ProbeLayer, blocks: torch.Tensor) -> KeyReader:
     """The layer's :data:`sfi.coverage.KeyReader` of the fast rows (their ``blocks``)."""
     return lambda positions: read_positions(layer.cache_keys, blocks, positions, layer.layout)
 
