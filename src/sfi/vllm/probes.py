@@ -6,10 +6,11 @@ selection); after the step's last layer :func:`check_probes` checks every probe 
 the memories' log-sum-exp from the slots, the pages' bounds, the copy flags (``coverage_copy``)
 and the verdict (:func:`sfi.coverage.missing_rows`, the transformers path's, with a reader of
 each layer's paged cache). The stock kernel gives no log-sum-exp, so the memories' logits are
-computed again from the slots; done for all probe layers together, a step runs a fixed number
-of small tensor operations instead of that number per probe layer (on CPU their fixed costs
-outweigh their arithmetic). The flags stay where the model runs: the next step's plan reads
-them in its one transfer.
+computed again from the slots. Done for all probe layers together, most of the small tensor
+operations run once per step instead of once per probe layer (on CPU their fixed costs
+outweigh their arithmetic); each layer's slot-key gather, product and best pages' read stay
+its own. The flags stay where the model runs: the next step's plan reads them in its one
+transfer.
 
 Shapes: L probe layers, n fast rows, H KV heads, G query heads per KV head, D head size,
 P pages, S slot entries.
