@@ -469,9 +469,9 @@ def test_the_page_after_the_most_attended_selected_position_is_read_first():
     assert torch.equal(ranked[..., others], scores[..., others])  # nothing else moves
 
     def flagged(s: torch.Tensor, top: int, up: torch.Tensor | None = None) -> bool:
-        return bool(missing_rows([query], [s], [reader(keys)], [lse], page=page, top=top,
+        return bool(missing_rows(query, s, [reader(keys)], lse, page=page, top=top,
                                  threshold=0.2, scale=scale, length=keys.shape[-2],
-                                 raised=None if up is None else [up])[0])
+                                 raised=up)[0])
 
     assert not flagged(scores, top=2) and flagged(scores, top=3)  # page 4 ranks third
     assert flagged(ranked, top=2, up=raised)  # the raised page, read beside the bound's 2

@@ -60,29 +60,31 @@ KeyReader = Callable[[torch.Tensor], torch.Tensor]
 D]`` (each engine from its own storage)."""
 
 
-def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor],
-                 readers: Sequence[KeyReader], lse: Sequence[torch.Tensor], *, page: int,
-                 top: int, threshold: float, scale: float, length: int | torch.Tensor,
-                 softcap: float | None = None, shift: torch.Tensor | None = None,
-                 raised: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+def missing_rows(queries: torch.Tensor, scores: torch.Tensor, readers: Sequence[KeyReader],
+                 lse: torch.Tensor, *, page: int, top: int, threshold: float, scale: float,
+                 length: int | torch.Tensor, softcap: float | None = None,
+                 shift: torch.Tensor | None = None,
+                 raised: torch.Tensor | None = None) -> torch.Tensor:
     """``[n]`` bool: rows whose fast memory misses attention mass at some of L probe layers
-    (see the module docstring), the layers checked together (:func:`pages_miss` once).
+    (see the module docstring), the layers checked together (:func:`pages_miss` once). Every
+    tensor holds the L layers' rows one layer after another (layer i's at ``i n`` to
+    ``(i + 1) n``).
 
     Args:
-        queries: L tensors ``[n, H, G, D]``, each probe layer's queries of these rows.
-        scores: L tensors ``[n, H, P]``, their :func:`page_scores`.
+        queries: ``[L n, H, G, D]``, each probe layer's queries of these rows.
+        scores: ``[L n, H, P]``, their :func:`page_scores`.
         readers: L :data:`KeyReader`, each layer's cached keys of these rows.
-        lse: L tensors ``[n, H, G]``, the log-sum-exp of each layer's fast logits over its
-            memory.
+        lse: ``[L n, H, G]``, the log-sum-exp of each layer's fast logits over its memory.
         length: where the rows' keys end (an int for all, or ``[n]``), as in
             :func:`top_pages`.
         shift: ``[n]`` where each row's pages start (:func:`sfi.pages.page_shift`; None: at
             position 0).
-        raised: L tensors ``[n, H]``, where :func:`with_next_pages` ranked a next page first
-            (None: the scores are the bound's alone): that page is read beside the ``top``
-            best by the bound.
+        raised: ``[L n, H]``, where :func:`with_next_pages` ranked a next page first (None:
+            the scores are the bound's alone): that page is read beside the ``top`` best by
+            the bound.
     """
-    layers, n = len(queries), queries[0].shape[0]
+    layers = len(readers)
+    n = queries.shape[0] // layers
 
     def read(positions: torch.Tensor) -> torch.Tensor:  # [L * n, H, N] -> [L * n, H, N, D]
         return torch.cat([reader(positions[i * n:(i + 1) * n])
@@ -90,11 +92,10 @@ def missing_rows(queries: Sequence[torch.Tensor], scores: Sequence[torch.Tensor]
 
     if isinstance(length, torch.Tensor):
         length = length.repeat(layers)
-    missed = pages_miss(torch.cat(list(queries)), torch.cat(list(scores)), torch.cat(list(lse)),
-                        read, page=page, top=top, threshold=threshold, scale=scale,
-                        softcap=softcap, length=length,
+    missed = pages_miss(queries, scores, lse, read, page=page, top=top, threshold=threshold,
+                        scale=scale, softcap=softcap, length=length,
                         shift=shift.repeat(layers) if shift is not None else None,
-                        raised=torch.cat(list(raised)) if raised is not None else None)
+                        raised=raised)
     return missed.view(layers, n).any(dim=0)
 
 
@@ -189,9 +190,11 @@ class CoverageChecks:
         missed: set[int] = set()
         copying: set[int] = set()
         for g in self._groups.values():
-            found = missing_rows(g.queries, g.scores, g.readers, g.lse, page=g.page, top=g.top,
+            found = missing_rows(torch.cat(g.queries), torch.cat(g.scores), g.readers,
+                                 torch.cat(g.lse), page=g.page, top=g.top,
                                  threshold=g.threshold, scale=g.scale, length=g.length,
-                                 softcap=g.softcap, shift=g.shift, raised=g.raised or None)
+                                 softcap=g.softcap, shift=g.shift,
+                                 raised=torch.cat(g.raised) if g.raised else None)
             ahead = torch.stack(g.copying).any(dim=0) if g.copying else torch.zeros_like(found)
             for row, miss, copy in zip(g.rows, *torch.stack([found, ahead]).tolist()):
                 if miss:  # both verdicts reach the host together: one wait per group

@@ -88,11 +88,8 @@ def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
     scores = _scores(layers, q.view(nl, n, *q.shape[1:]))  # [L n, H, P]
     rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
     blocks = md.block_table.index_select(0, rows)
-    readers = [_reader(layer, blocks) for layer in layers]
-    per_layer = [slice(i * n, (i + 1) * n) for i in range(nl)]
-    found = missing_rows([layer.query for layer in layers], [scores[s] for s in per_layer],
-                         readers,
-                         [lse[s] for s in per_layer], page=probe_page(c), top=c.coverage_top,
+    found = missing_rows(q, scores, [_reader(layer, blocks) for layer in layers], lse,
+                         page=probe_page(c), top=c.coverage_top,
                          threshold=c.coverage_threshold, scale=scale, softcap=softcap,
                          length=torch.tensor([p.total for p in plans], device=device))
     if c.coverage_copy:  # flagged whatever the pages say
