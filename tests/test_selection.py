@@ -106,6 +106,34 @@ def test_hysteresis_keeps_what_still_ranks_within_the_wider_top():
     assert chosen[0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 19]
 
 
+def test_a_refresh_keeps_pins_only_of_rows_that_had_a_memory():
+    """``selection_inputs`` (both engines' refresh inputs): of each row's old selection (held
+    in slots ``[start, start + count)``), the new memory's ``pinned`` first are kept pinned,
+    none where the row had no memory (``count`` 0); hysteresis sees the whole old selection;
+    without pins or hysteresis nothing is kept."""
+    from sfi.refresh_selection import HeldSelection, selection_inputs
+
+    n, h, t = 2, 2, 12
+    logits = torch.randn(n, h, 1, t)
+    norms = torch.rand(n, h, t)
+    lo, hi = torch.tensor([2, 2]), torch.tensor([10, 10])
+    positions = torch.tensor([[0, 5, 7, 9], [0, 3, 4, 6]])[:, None].expand(n, h, 4)
+    held = HeldSelection(positions, start=torch.tensor([1, 1]), count=torch.tensor([3, 0]))
+    pinned = torch.tensor([2, 2])
+    evidence, previous = selection_inputs(logits, 0, lo, hi, pinned, key_norms=norms,
+                                          held=held, hysteresis=True)
+    assert evidence.candidates[0].tolist() == [2 <= p < 10 for p in range(t)]
+    assert torch.nonzero(previous.pinned[0, 0]).flatten().tolist() == [5, 7]
+    assert not previous.pinned[1].any()  # no memory before: nothing pinned
+    assert torch.nonzero(previous.selected[0, 1]).flatten().tolist() == [5, 7, 9]
+    assert not previous.selected[1].any()
+    _, none = selection_inputs(logits, 0, lo, hi, torch.tensor([0, 0]), key_norms=norms,
+                               held=held)
+    assert none is None
+    _, unheld = selection_inputs(logits, 0, lo, hi, pinned, key_norms=norms)
+    assert unheld is None
+
+
 MECHANISMS = dict(pool_kernel=5, page_size=8, pin_fraction=0.5, hysteresis=1.0, nms_strength=0.0,
                   dense_layers=1)
 

@@ -30,9 +30,8 @@ from sfi.coverage import copy_runs_out, page_scores, unheld_pages, with_next_pag
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh, StagedCompact
 from sfi.plan import BLOCK_PHASES, Probe, SlowRows, StepPlan
-from sfi.refresh_selection import PreviousSelection, previous_selection
+from sfi.refresh_selection import HeldSelection, reads_keys, selection_inputs
 from sfi.rows import Rows
-from sfi.scorers import make_evidence, scores_rows_alone
 from sfi.slab import SlabLayer
 
 
@@ -267,34 +266,29 @@ class SlowFastAttention(AttendingLayer):
         refreshes at the forward's end (committed then), inline, or on a CUDA side stream
         (committed when the layer next runs and finds it ready)."""
         self.settle(wait=True)  # a newer refresh supersedes a pending one
-        if all(scores_rows_alone(group.scorer) for group in slow.groups):
+        if not reads_keys([group.scorer for group in slow.groups]):
             query = None  # nor the keys: no scorer of these rows reads them (no copy either)
         key_norms = slow.rows.take(self.store.key_norms)
         cached_keys = slow.rows.take(self.store.keys) if query is not None else None
         at = slow.geometry
-        evidence = make_evidence(logits, self.layer_idx, at.lo, at.hi, keys=cached_keys,
-                                 key_norms=key_norms, candidates=slow.candidates,
-                                 queries=queries, query=query, pads=at.pad,
-                                 probabilities=attention)
-        previous = self._previous_selection(slow)
+        held = None  # the rows' current memories (their k' selected after S sinks; 0: none)
+        if self.store.compact_positions is not None:
+            held = HeldSelection(slow.rows.take(self.store.compact_positions), at.sink,
+                                 slow.previous_k)
+        evidence, previous = selection_inputs(
+            logits, self.layer_idx, at.lo, at.hi, at.pinned, key_norms=key_norms,
+            keys=cached_keys, query=query, queries=queries, candidates=slow.candidates,
+            pads=at.pad, probabilities=attention, held=held,
+            hysteresis=any(g.rule.hysteresis > 0 for g in slow.groups))
         store = self.store
         refresh = Refresh(slow.rows, evidence, slow.groups, at.k, at.pinned, previous,
                           lambda selected: pack(store, slow, selected), step.plan.compact_width)
         inputs = [logits, key_norms, slow.candidates, at.lo, at.hi, at.k, at.sink,
                   slow.sink_positions, self.store.keys, self.store.values]
-        held = (previous.selected, previous.pinned) if previous is not None else ()
-        inputs += [t for t in (query, cached_keys, attention, *held) if t is not None]
+        kept = (previous.selected, previous.pinned) if previous is not None else ()
+        inputs += [t for t in (query, cached_keys, attention, *kept) if t is not None]
         self.pending = step.rebuilder.submit(refresh, inputs)
         self.settle()
-
-    def _previous_selection(self, slow: SlowRows) -> PreviousSelection | None:
-        """What the rows' current memories hold (for hysteresis and pins), or None."""
-        if self.store.compact_positions is None:
-            return None
-        return previous_selection(
-            slow.rows.take(self.store.compact_positions), slow.geometry.sink, slow.previous_k,
-            slow.geometry.pinned * (~slow.pinning), slow.candidates.shape[-1],
-            hysteresis=any(g.rule.hysteresis > 0 for g in slow.groups))
 
 
 def pack(store: SlabLayer, slow: SlowRows, selected: torch.Tensor

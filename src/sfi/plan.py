@@ -36,7 +36,6 @@ class SlowRows:
             fewer).
         groups: the rows that share a scorer and a selection rule.
         previous_k: ``[n]`` K of the memory this refresh replaces (0: the first selection).
-        pinning: ``[n]`` bool: this (first) selection chooses the pinned positions.
         evidence_bias: ``[n, W, T]`` causal and padding bias of the last W queries of a
             multi-token forward (after prefill); None at a decode-time slow step.
         evidence_windows: each row's W there (its ``evidence_window``, at most the forward's
@@ -50,7 +49,6 @@ class SlowRows:
     sink_positions: torch.Tensor
     groups: tuple[SelectionGroup, ...]
     previous_k: torch.Tensor
-    pinning: torch.Tensor
     evidence_bias: torch.Tensor | None = None
     evidence_windows: tuple[int, ...] = ()
 

@@ -232,7 +232,6 @@ class Planner:
             groups=_selection_groups(seqs, device),
             previous_k=torch.tensor([s.memory.k if s.memory is not None else 0 for s in seqs],
                                     device=device),
-            pinning=torch.tensor([s.memory is None for s in seqs], device=device),
             evidence_bias=bias, evidence_windows=tuple(windows))
 
     def _plan_fast(self, rows: list[int], total: int, width: int,

@@ -20,7 +20,7 @@ import torch
 from sfi.config import SFIConfig
 from sfi.pages import page_shift
 from sfi.rows import Rows
-from sfi.scorers import Evidence, Scorer
+from sfi.scorers import Evidence, Scorer, make_evidence, scores_rows_alone
 from sfi.selector import best_pages_slots, compact_slots, hysteresis_keep, selection_order
 
 
@@ -79,6 +79,51 @@ def previous_selection(positions: torch.Tensor, start: torch.Tensor, selected: t
     return PreviousSelection(
         held_mask(positions, start, selected, length) if hysteresis else None,
         held_mask(positions, start, pinned, length) if pins else None)
+
+
+@dataclass(frozen=True)
+class HeldSelection:
+    """What the refreshing rows' current memories selected, as each engine stores it:
+    ``positions [n, H, L]`` (cache positions per slot), the selected ones in slots ``[start,
+    start + count)`` (``start``, ``count`` ``[n]``; ``count`` 0 for a row without a memory)."""
+
+    positions: torch.Tensor
+    start: torch.Tensor
+    count: torch.Tensor
+
+
+def selection_inputs(logits: torch.Tensor, layer_idx: int, lo: torch.Tensor, hi: torch.Tensor,
+                     pinned: torch.Tensor, *, key_norms: torch.Tensor,
+                     keys: torch.Tensor | None = None, query: torch.Tensor | None = None,
+                     queries: int = 1,
+                     candidates: torch.Tensor | None = None, pads: torch.Tensor | None = None,
+                     probabilities: torch.Tensor | None = None,
+                     held: HeldSelection | None = None, hysteresis: bool = False
+                     ) -> tuple[Evidence, PreviousSelection | None]:
+    """The :class:`Evidence` and :class:`PreviousSelection` of one layer's refresh of n rows,
+    in either engine (what :func:`select` reads): each row's new memory selects from its
+    middle region ``[lo, hi)`` (``[n]``) and keeps ``pinned [n]`` of its old selection.
+
+    ``logits [n, H, N, T]`` of the evidence queries (``query [n, H, N, D]`` and the ``keys
+    [n, H, T, D]``: only for scorers that read them, :func:`reads_keys`), ``key_norms [n, H,
+    T]``; ``candidates``, ``pads``, ``probabilities``: :func:`sfi.scorers.make_evidence`'s.
+    ``held``: what the replaced memories selected (None: no row had one); of those, each
+    row's new memory keeps its first ``pinned`` (none where it had no memory), and with
+    ``hysteresis`` the rest may stay (``sfi.sequence_policy.next_memory``)."""
+    evidence = make_evidence(logits, layer_idx, lo, hi, keys=keys, key_norms=key_norms,
+                             candidates=candidates, queries=queries, query=query, pads=pads,
+                             probabilities=probabilities)
+    if held is None:
+        return evidence, None
+    pinned = pinned * (held.count > 0)
+    return evidence, previous_selection(held.positions, held.start, held.count, pinned,
+                                        logits.shape[-1], hysteresis)
+
+
+def reads_keys(scorers: Sequence[Scorer]) -> bool:
+    """Whether a refresh scored by ``scorers`` needs its evidence queries and the keys (a
+    scorer that does not score each row from its logits alone: ``scores_rows_alone``)."""
+    return not all(scores_rows_alone(s) for s in scorers)
 
 
 def select(scorer: Scorer, evidence: Evidence, k: torch.Tensor, rule: SelectionRule,

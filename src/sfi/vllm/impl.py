@@ -22,9 +22,8 @@ from sfi.coverage import probe_page, unheld_pages
 from sfi.memory_tensors import MemoryTensors, memory_positions
 from sfi.overlap import Refresh
 from sfi.pages import PageSummaries
-from sfi.refresh_selection import SelectionGroup, SelectionRule
+from sfi.refresh_selection import SelectionGroup, SelectionRule, reads_keys
 from sfi.rows import Rows
-from sfi.scorers import scores_rows_alone
 from sfi.vllm.metadata import SFIMetadata, layer_index
 from sfi.vllm.paged import (
     CacheLayout,
@@ -35,7 +34,7 @@ from sfi.vllm.paged import (
     window_selections,
 )
 from sfi.vllm.probes import ProbeLayer, check_probes
-from sfi.vllm.requests import SELECT, RequestBook, RowPlan
+from sfi.vllm.requests import SELECT, RequestBook, RowPlan, slot_start
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +211,9 @@ class SFIImpl:
                 record = self.records[plan.slot] = SlotRecord(plan.request)
             kept = record.coverage.pages if record.coverage is not None else None
             refresh, summaries = read_refresh(
-                plan.memory, queries, _keys_end(plan), record.selected, record.norms,
+                plan.memory, queries, plan.keys_end, record.selected, record.norms,
                 kept if page is not None else None, page, cache_keys, md.block_table[plan.row],
-                layout.keys, not scores_rows_alone(requests.scorer), self.scale, softcap)
+                layout.keys, reads_keys([requests.scorer]), self.scale, softcap)
             record.norms = refresh.key_norms
             refreshes.append(refresh)
             records.append(record)
@@ -257,12 +256,6 @@ class SFIImpl:
             getattr(self, "logits_soft_cap", None) or None))
 
 
-def _keys_end(plan: RowPlan) -> int:
-    """Where a refreshing row's keys end: a first selection's at the prompt's end (its new
-    token is appended to the slot by the fast read), a slow row's with this step's own."""
-    return plan.total - 1 if plan.kind == SELECT else plan.total
-
-
 @dataclass(frozen=True)
 class _PackTarget:
     """Where one layer's refreshed memories go: the rows (``plans``) whose new selections a
@@ -295,11 +288,11 @@ class _PackTarget:
                 record.coverage = SlotCoverage(pages, unheld_pages(
                     selected[None], torch.ones_like(selected[:1], dtype=torch.bool),
                     geometry.lo, geometry.hi, pages=pages.count, page=pages.page))
-            positions = memory_positions(memory, selected, _keys_end(plan))  # [H, L]
+            positions = memory_positions(memory, selected, plan.keys_end)  # [H, L]
             block_row = md.block_table[plan.row]
             keys = read_positions(cache_keys, block_row, positions, self.layout.keys)
             values = read_positions(cache_values, block_row, positions, self.layout.values)
-            first = plan.slot * per_slot * cache_keys.shape[2]
+            first = slot_start(plan.slot, per_slot, cache_keys.shape[2])
             parts.append((keys.transpose(0, 1), values.transpose(0, 1),
                           torch.arange(first, first + positions.shape[1],
                                        device=selected.device)))

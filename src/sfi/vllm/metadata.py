@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from sfi.overlap import StackingRebuilder
 from sfi.vllm.probes import ProbeLayer
-from sfi.vllm.requests import DENSE, FAST, SELECT, SLOW, RequestBook, RowPlan
+from sfi.vllm.requests import DENSE, FAST, SELECT, SLOW, RequestBook, RowPlan, slot_start
 from sfi.vllm.settings import plugin_state
 
 
@@ -231,7 +231,7 @@ class SFIMetadata:
                                    [p.length for p in fast_plans]))
         self.fast_blocks = slot_blocks.to(self.block_table.device)
         bs = self.builder.block_size
-        self.fast_slots = torch.tensor([p.slot * per_slot * bs + p.length - 1
+        self.fast_slots = torch.tensor([slot_start(p.slot, per_slot, bs) + p.length - 1
                                         for p in fast_plans], device=device)
         self.fast_slot_index = torch.tensor([p.slot for p in fast_plans], device=device)
 

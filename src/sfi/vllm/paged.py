@@ -26,8 +26,14 @@ import torch.nn.functional as F
 from sfi.kernels import attention_logits, capped_logits, evidence_bias, window_logits
 from sfi.memory_tensors import MemoryTensors
 from sfi.pages import PageSummaries
-from sfi.refresh_selection import PreviousSelection, SelectionRule, previous_selection
-from sfi.scorers import Evidence, Scorer, key_norms_of, make_evidence, scores_rows_alone
+from sfi.refresh_selection import (
+    HeldSelection,
+    PreviousSelection,
+    SelectionRule,
+    reads_keys,
+    selection_inputs,
+)
+from sfi.scorers import Evidence, Scorer, key_norms_of
 from sfi.sequence_policy import Memory
 
 KeyLayout = None | str | torch.Tensor
@@ -387,7 +393,7 @@ def _window_selection(scorer: Scorer, rule: SelectionRule, layer_idx: int,
     t = max(ends)
     given = w == 1 and all(r.logits is not None for r in group)
     keys = None
-    if not given or not scores_rows_alone(scorer):
+    if not given or reads_keys([scorer]):
         keys = _padded([r.keys for r in group], t)  # [n, H, T, D]
     h = group[0].logits.shape[0] if given else keys.shape[1]
     d, device = group[0].queries.shape[-1], group[0].queries.device
@@ -410,26 +416,27 @@ def _window_selection(scorer: Scorer, rule: SelectionRule, layer_idx: int,
     norms = None
     if all(r.key_norms is not None for r in group):
         norms = _padded([r.key_norms for r in group], t)
-    query = None if scores_rows_alone(scorer) else q.reshape(n, h, -1, d)
-    evidence = make_evidence(logits, layer_idx, geometry.lo, geometry.hi, keys=keys,
-                             key_norms=norms, queries=w, query=query)
-    previous = None
+    if norms is None:
+        norms = key_norms_of(keys)
+    held = None
     if rule.hysteresis > 0 or any(m.pinned for m in memories):
-        previous = _previous(group, h, t, device, rule.hysteresis > 0)
+        held = _held(group, h, device)
+    evidence, previous = selection_inputs(
+        logits, layer_idx, geometry.lo, geometry.hi, geometry.pinned, key_norms=norms, keys=keys,
+        query=q.reshape(n, h, -1, d) if reads_keys([scorer]) else None, queries=w, held=held,
+        hysteresis=rule.hysteresis > 0)
     return WindowSelection(members, evidence, geometry.k, geometry.pinned, previous)
 
 
-def _previous(group: Sequence[RequestRefresh], h: int, t: int, device: torch.device,
-              hysteresis: bool) -> PreviousSelection | None:
-    """What the requests' replaced memories selected (for hysteresis and pins), or None."""
+def _held(group: Sequence[RequestRefresh], h: int, device: torch.device
+          ) -> HeldSelection | None:
+    """What the requests' replaced memories selected (their positions in slot order), or
+    None where none had a memory."""
     if all(r.previous is None for r in group):
         return None
     held = [r.previous if r.previous is not None else torch.zeros(h, 0, dtype=torch.long,
                                                                    device=device)
             for r in group]
-    positions = _padded(held, max(p.shape[1] for p in held))  # [n, H, k'_max]
     counts = torch.tensor([p.shape[1] for p in held], device=device)
-    pinned = torch.tensor([r.memory.pinned if r.previous is not None else 0 for r in group],
-                          device=device)
-    return previous_selection(positions, torch.zeros_like(counts), counts, pinned, t,
-                              hysteresis)
+    return HeldSelection(_padded(held, max(p.shape[1] for p in held)),  # [n, H, k'_max]
+                         torch.zeros_like(counts), counts)

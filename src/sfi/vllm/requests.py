@@ -110,6 +110,13 @@ class RowPlan:
     reason: str | None = None
     request: int = -1
 
+    @property
+    def keys_end(self) -> int:
+        """Where a refreshing row's keys end: a first selection's at the prompt's end (its
+        memory is laid out there; the new token is appended to the slot by the fast read), a
+        slow row's with this step's own."""
+        return self.total - 1 if self.kind == SELECT else self.total
+
 
 @dataclass
 class RequestState:
@@ -306,3 +313,9 @@ class RequestBook:
 
 def blocks_per_slot(capacity: int, block_size: int) -> int:
     return math.ceil(capacity / block_size)
+
+
+def slot_start(slot: int, blocks: int, block_size: int) -> int:
+    """The buffer entry (block * block_size + offset) where ``slot`` begins, each slot
+    ``blocks`` blocks of the plugin's buffer (:func:`blocks_per_slot`)."""
+    return slot * blocks * block_size
