@@ -8,7 +8,9 @@ full-attention step, in one process, on SmolLM2 with synthetic KV (issue 20's ta
 A fixed trigger of period 2 makes every other decode step slow (coverage probes off); the
 medians of each kind are printed with their ratio to the baseline step (in sfi's engine, the
 faster of full attention over transformers' DynamicCache and over its preallocated StaticCache;
-stock vLLM in the same vLLM engine). ``--profile`` (vLLM + SFI) then decodes the steps once
+stock vLLM in the same vLLM engine, the two taking turns ``--rounds`` times, each over a prefill of
+its own: this machine's step times move by half between minutes, so each round's ratio is
+printed and their median). ``--profile`` (vLLM + SFI) then decodes the steps once
 more under :mod:`cProfile` and prints where the plugin's time goes: sfi's functions by
 cumulative milliseconds per slow step (they run at slow steps; the profiler's own overhead
 inflates the Python-heavy ones).
@@ -67,10 +69,10 @@ def own_engine(context: int, batch: int, steps: int) -> None:
           f"fast step {medians['sfi']['fast']:.1f} ms")
 
 
-def plugin(context: int, batch: int, steps: int, profile: bool = False) -> None:
+def plugin(context: int, batch: int, steps: int, rounds: int, profile: bool = False) -> None:
     from sfi import SFIConfig
     from sfi.bench.throughput import benchmark_ids
-    from sfi.bench.vllm import make_engine, time_decode
+    from sfi.bench.vllm import make_engine, time_decode, warm_up
     from sfi.models import load_tokenizer, resolve
     from sfi.vllm import configure
 
@@ -80,13 +82,21 @@ def plugin(context: int, batch: int, steps: int, profile: bool = False) -> None:
                       (context + steps + 16) * batch * per_token + (1 << 27))
     ids = _ids(benchmark_ids, tokenizer, context, batch).tolist()
     configure(None)
-    stock = statistics.median(time_decode(llm, ids, steps, 2))
-    configure(SFIConfig(**SFI))
-    times = sorted(time_decode(llm, ids, steps, 2))
-    half = len(times) // 2
-    fast, slow = statistics.median(times[:half]), statistics.median(times[half:])
-    print(f"vLLM, {context} tokens, batch {batch}: stock step {1000 * stock:.1f} ms; SFI slow "
-          f"step {1000 * slow:.1f} ms ({slow / stock:.2f}x); fast step {1000 * fast:.1f} ms")
+    warm_up(llm, ids[0])
+    ratios = []
+    for i in range(rounds):  # stock and SFI take turns, so that they share the machine's moods
+        configure(None)
+        stock = statistics.median(time_decode(llm, ids, steps, 2))
+        configure(SFIConfig(**SFI))
+        times = sorted(time_decode(llm, ids, steps, 2))
+        half = len(times) // 2
+        fast, slow = statistics.median(times[:half]), statistics.median(times[half:])
+        ratios.append(slow / stock)
+        print(f"vLLM, {context} tokens, batch {batch}, round {i + 1}: stock step "
+              f"{1000 * stock:.1f} ms; SFI slow step {1000 * slow:.1f} ms ({slow / stock:.2f}x); "
+              f"fast step {1000 * fast:.1f} ms ({fast / stock:.2f}x)")
+    print(f"slow step / stock step over {rounds} rounds: median {statistics.median(ratios):.2f}x "
+          f"(from {min(ratios):.2f}x to {max(ratios):.2f}x)")
     if profile:
         _profile_plugin(llm, ids, steps)
 
@@ -148,6 +158,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--vllm", action="store_true", help="vLLM + SFI against stock vLLM")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="vLLM: stock and SFI decode in turn this many times, each over "
+                             "its own prefill")
     parser.add_argument("--profile", action="store_true",
                         help="vLLM + SFI: then where the plugin's time goes (cProfile)")
     args = parser.parse_args()
@@ -155,7 +168,7 @@ def main() -> None:
         parser.error("--profile profiles the vLLM plugin: add --vllm "
                      "(sfi's own engine: scripts/profile_step.py)")
     if args.vllm:
-        plugin(args.context, args.batch, args.steps, args.profile)
+        plugin(args.context, args.batch, args.steps, args.rounds, args.profile)
     else:
         own_engine(args.context, args.batch, args.steps)
 

@@ -6,12 +6,13 @@ kernels; compiled (CUDA graphs), stock vLLM runs in an engine without the plugin
 in one started with SFI on (:func:`run_vllm_bench`).
 For each (context, batch) every mode prefills the same essay prompts, then the steps in which
 every row decodes are timed (``LLMEngine.step``: scheduling, forward, sampling), after
-``warmup`` untimed ones. sfi's own engine (transformers, :func:`sfi.bench.throughput.measure_cell`)
-runs full attention, SFI and SFI's fast step alone with the same configuration on the same
-token ids (a real prefill of the same prompts, or ``own_kv="synthetic"``: random KV of their
-shape, for contexts past what the model was trained on); llama.cpp (``llama-cpp-python`` on
-the model's GGUF, its own quantization, full KV, the same threads) runs the same token ids at
-batch 1 when it is installed.
+``warmup`` untimed ones; each engine first decodes a short request untimed (:func:`warm_up`).
+sfi's own engine (transformers, :func:`sfi.bench.throughput.measure_cell`) runs full attention,
+SFI and SFI's fast step alone with the same configuration on the same token ids (a real prefill
+of the same prompts, or ``own_kv="synthetic"``: random KV of their shape, for contexts past what
+the model was trained on); llama.cpp (``llama-cpp-python`` on the model's GGUF, its own
+quantization, full KV, the same threads) runs the same token ids at batch 1 when it is
+installed.
 """
 
 from __future__ import annotations
@@ -120,6 +121,17 @@ def time_decode(llm: Any, prompts: Sequence[list[int]], new_tokens: int, warmup:
     return times[warmup:]
 
 
+WARMUP_PROMPT = 512  # tokens of the untimed request that starts an engine's decoding
+
+
+def warm_up(llm: Any, prompt: list[int]) -> None:
+    """Decode a short request (the first :data:`WARMUP_PROMPT` tokens of ``prompt``), untimed:
+    the first request a process decodes with vLLM runs slower throughout, not only in its first
+    steps (1.25x on Qwen2.5-0.5B at 4K, 2x on SmolLM2 at 16K, vLLM's CPU build), which would
+    be charged to whichever mode is timed first."""
+    time_decode(llm, [prompt[:WARMUP_PROMPT]], 4, 2)
+
+
 def llama_cpp_row(gguf: str | Path, prompt: list[int], new_tokens: int, warmup: int,
                   threads: int) -> EngineRow:
     """llama.cpp decoding greedily after ``prompt`` (:func:`sfi.bench.llama_cpp.decode_times`);
@@ -207,9 +219,11 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
 
     engine = dict(max_model_len=longest, max_num_seqs=max(batches), kv_bytes=kv_bytes,
                   dtype=dtype, eager=eager, attention_backend=attention_backend)
+    first = ids[cells[0]][0].tolist()
     if eager:
         configure(None)
         llm = make_engine(path, **engine)
+        warm_up(llm, first)
         for cell in cells:
             for mode in VLLM_MODES:
                 configure(config if mode == "vllm+sfi" else None)
@@ -220,6 +234,7 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
         for mode in reversed(VLLM_MODES):
             configure(config if mode == "vllm+sfi" else None)  # before the engine starts
             llm = make_engine(path, **engine, plugin=mode == "vllm+sfi")
+            warm_up(llm, first)
             for cell in cells:
                 time_mode(llm, mode, cell)
             close_engine(llm)
