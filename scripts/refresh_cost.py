@@ -8,9 +8,9 @@ full-attention step, in one process, on SmolLM2 with synthetic KV (issue 20's ta
 A fixed trigger of period 2 makes every other decode step slow (coverage probes off); the
 medians of each kind are printed with their ratio to the baseline step (in sfi's engine, the
 faster of full attention over transformers' DynamicCache and over its preallocated StaticCache;
-stock vLLM in the same vLLM engine, the two taking turns ``--rounds`` times, each over a prefill of
-its own: this machine's step times move by half between minutes, so each round's ratio is
-printed and their median). ``--profile`` (vLLM + SFI) then decodes the steps once
+stock vLLM in the same vLLM engine, warmed up first (``sfi.bench.vllm.warm_up``), the two taking
+turns ``--rounds`` times, each over a prefill of its own; each round's ratio is printed, and
+their median). ``--profile`` (vLLM + SFI) then decodes the steps once
 more under :mod:`cProfile` and prints where the plugin's time goes: sfi's functions by
 cumulative milliseconds per slow step (they run at slow steps; the profiler's own overhead
 inflates the Python-heavy ones).
@@ -84,7 +84,7 @@ def plugin(context: int, batch: int, steps: int, rounds: int, profile: bool = Fa
     configure(None)
     warm_up(llm, ids[0])
     ratios = []
-    for i in range(rounds):  # stock and SFI take turns, so that they share the machine's moods
+    for i in range(rounds):  # in turn, so that a slower minute of the machine falls on both
         configure(None)
         stock = statistics.median(time_decode(llm, ids, steps, 2))
         configure(SFIConfig(**SFI))
@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="vLLM + SFI: then where the plugin's time goes (cProfile)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.profile and not args.vllm:
         parser.error("--profile profiles the vLLM plugin: add --vllm "
                      "(sfi's own engine: scripts/profile_step.py)")

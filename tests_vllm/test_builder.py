@@ -182,26 +182,37 @@ def test_the_builder_checks_its_layers_against_the_config(sfi_off, window, layer
             .tolist() == [12]
 
 
-def test_the_bench_warms_each_engine_up_untimed_before_its_first_cell(monkeypatch, default_path,
-                                                                      tokenizer):
-    """A process's first vLLM decode runs slower throughout, so ``run_vllm_bench`` decodes a
-    short request untimed on each engine before the first mode it times (the stock engine's,
-    in the eager run); the rows hold only the timed cells' steps."""
-    import sfi.bench.vllm as bench
-    from sfi.vllm import settings
 
-    decoded: list[tuple[int, int, bool]] = []  # (prompts, tokens of the first, SFI on)
+@pytest.mark.parametrize("eager", [True, False])
+def test_the_bench_warms_each_engine_up_untimed_before_its_first_cell(monkeypatch, default_path,
+                                                                      tokenizer, eager):
+    """A process's first vLLM decode runs slower throughout, so ``run_vllm_bench`` decodes a
+    short request untimed on each engine before the first mode it times (eager: one engine,
+    warmed with SFI off; compiled: vLLM + SFI's engine, then stock vLLM's); the rows hold
+    only the timed cells' steps."""
+    import sfi.bench.vllm as bench
+    from sfi.decode_stats import DecodeStats
+    from sfi.vllm import backend, settings
+
+    decoded: list[tuple[int, bool]] = []  # (tokens of the first prompt, SFI on)
 
     def time_decode(llm, prompts, new_tokens, warmup):
-        decoded.append((len(prompts), len(prompts[0]), settings.active_config() is not None))
+        decoded.append((len(prompts[0]), settings.active_config() is not None))
         return [0.05 if len(prompts[0]) > bench.WARMUP_PROMPT else 1.0] * new_tokens
 
     monkeypatch.setattr(bench, "make_engine", lambda *args, **kwargs: object())
     monkeypatch.setattr(bench, "close_engine", lambda llm: None)
     monkeypatch.setattr(bench, "time_decode", time_decode)
-    monkeypatch.setattr(bench, "VLLM_MODES", ("vllm",))  # no SFI step to count
+    monkeypatch.setattr(backend, "book", lambda: Namespace(requests={}))  # no engine ran
+    monkeypatch.setattr(bench, "cell_stats", lambda book, earlier: DecodeStats())
     result = bench.run_vllm_bench(default_path, None, tokenizer, contexts=[1024, 2048],
                                   batches=[1], new_tokens=3, config=SFIConfig(),
-                                  own_engine=False)
-    assert decoded == [(1, bench.WARMUP_PROMPT, False), (1, 1024, False), (1, 2048, False)]
-    assert [row["step_ms"] for row in result["rows"]] == [50.0, 50.0]  # the warm-up's 1 s: out
+                                  own_engine=False, eager=eager)
+    warm = bench.WARMUP_PROMPT
+    if eager:
+        assert decoded == [(warm, False), (1024, False), (1024, True), (2048, False),
+                           (2048, True)]
+    else:
+        assert decoded == [(warm, True), (1024, True), (2048, True), (warm, False),
+                           (1024, False), (2048, False)]
+    assert [row["step_ms"] for row in result["rows"]] == [50.0] * 4  # the warm-ups' 1 s: out

@@ -85,7 +85,8 @@ def previous_selection(positions: torch.Tensor, start: torch.Tensor, selected: t
 class HeldSelection:
     """What the refreshing rows' current memories selected, as each engine stores it:
     ``positions [n, H, L]`` (cache positions per slot), the selected ones in slots ``[start,
-    start + count)`` (``start``, ``count`` ``[n]``; ``count`` 0 for a row without a memory)."""
+    start + count)`` (``start``, ``count`` ``[n]``; ``count`` 0 for a row without a memory,
+    or whose memory selected none)."""
 
     positions: torch.Tensor
     start: torch.Tensor

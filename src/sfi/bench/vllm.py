@@ -126,9 +126,9 @@ WARMUP_PROMPT = 512  # tokens of the untimed request that starts an engine's dec
 
 def warm_up(llm: Any, prompt: list[int]) -> None:
     """Decode a short request (the first :data:`WARMUP_PROMPT` tokens of ``prompt``), untimed:
-    the first request a process decodes with vLLM runs slower throughout, not only in its first
-    steps (1.25x on Qwen2.5-0.5B at 4K, 2x on SmolLM2 at 16K, vLLM's CPU build), which would
-    be charged to whichever mode is timed first."""
+    the first request a process decodes with vLLM can run slower throughout, not only in its
+    first steps (decoding one request twice with vLLM's CPU build: 1.25x on Qwen2.5-0.5B at 4K,
+    2x on SmolLM2 at 16K), which would be charged to whichever mode is timed first."""
     time_decode(llm, [prompt[:WARMUP_PROMPT]], 4, 2)
 
 
