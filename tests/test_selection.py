@@ -409,9 +409,9 @@ def test_incremental_page_summaries_equal_summarising_from_scratch():
 
 def reader(keys: torch.Tensor):
     """A :data:`sfi.coverage.KeyReader` of ``keys [n, H, T, D]`` (all n rows)."""
-    heads = torch.arange(keys.shape[1])[None, :, None]
-    rows = torch.arange(keys.shape[0])[:, None, None]
-    return lambda positions: keys[rows, heads, positions]
+    from sfi.coverage import batch_reader
+
+    return batch_reader(keys, torch.arange(keys.shape[0]))
 
 
 def test_a_memory_missing_a_heavy_page_is_flagged():

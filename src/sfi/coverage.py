@@ -60,6 +60,14 @@ KeyReader = Callable[[torch.Tensor], torch.Tensor]
 D]`` (each engine from its own storage)."""
 
 
+def batch_reader(keys: torch.Tensor, rows: torch.Tensor) -> KeyReader:
+    """The :data:`KeyReader` of the rows ``rows [n]`` of a batch's cached ``keys [B, H, T,
+    D]``."""
+    heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
+    index = rows[:, None, None]
+    return lambda positions: keys[index, heads, positions]
+
+
 def missing_rows(queries: torch.Tensor, scores: torch.Tensor, readers: Sequence[KeyReader],
                  lse: torch.Tensor, *, page: int, top: int, threshold: float, scale: float,
                  length: int | torch.Tensor, softcap: float | None = None,

@@ -26,7 +26,13 @@ import torch
 
 from sfi.attention import AttendingLayer
 from sfi.context import StepContext
-from sfi.coverage import copy_runs_out, page_scores, unheld_pages, with_next_pages
+from sfi.coverage import (
+    batch_reader,
+    copy_runs_out,
+    page_scores,
+    unheld_pages,
+    with_next_pages,
+)
 from sfi.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.overlap import Refresh, StagedCompact
 from sfi.plan import BLOCK_PHASES, Probe, SlowRows, StepPlan
@@ -214,14 +220,9 @@ class SlowFastAttention(AttendingLayer):
             copying = copy_runs_out(memory_logits, lse, memory, target.held, target.hi,
                                     share=probe.copy_share)
         keys = self.store.keys  # [B, H, T, D]
-        heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
-        index = rows.index[:, None, None]
-
-        def read(positions: torch.Tensor) -> torch.Tensor:  # [n, H, N] -> [n, H, N, D]
-            return keys[index, heads, positions]
-
         step.coverage.add(
-            rows.indices, query, scores, read, lse, length=keys.shape[-2],
+            rows.indices, query, scores, batch_reader(keys, rows.index), lse,
+            length=keys.shape[-2],
             page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
             softcap=softcap, shift=shift, aligned=probe.aligned, raised=raised,
             copying=copying)

@@ -413,11 +413,8 @@ def _window_selection(scorer: Scorer, rule: SelectionRule, layer_idx: int,
         logits = window_logits(q, keys, bias, scale, softcap)  # [n, H, G * W, T]
     memories = [r.memory for r in group]
     geometry = MemoryTensors.of(memories, device)
-    norms = None
-    if all(r.key_norms is not None for r in group):
-        norms = _padded([r.key_norms for r in group], t)
-    if norms is None:
-        norms = key_norms_of(keys)
+    norms = (_padded([r.key_norms for r in group], t)
+             if all(r.key_norms is not None for r in group) else key_norms_of(keys))
     held = None
     if rule.hysteresis > 0 or any(m.pinned for m in memories):
         held = _held(group, h, device)
