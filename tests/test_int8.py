@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tied_tiny_qwen2, tiny_model
 
-from sfi import int8_linear, reduction, weight_layout
+from sfi import int8_kernel, int8_linear, reduction, weight_layout
 from sfi.int8_linear import Int8Linear, int8_product, quantize_rows
 from sfi.weight_layout import prefer_decode_layout, weight_byte_ratio
 
@@ -33,18 +33,29 @@ def test_quantize_rows_is_within_half_a_step_per_channel():
 
 
 @needs_int8
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, reduction.REDUCE_ROWS + 5])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_linear_equals_the_dequantised_product(rows, bias, monkeypatch):
+def test_int8_linear_equals_the_dequantised_product(rows, bias, kernel, monkeypatch):
+    """With sfi's kernel (which rounds the rows to int16: within 1e-3 of the largest output)
+    or with the compiled reduction (float rounding alone)."""
+    if kernel and not int8_kernel.available():
+        pytest.skip("the kernel does not build or run here")
+    if not kernel:
+        monkeypatch.setattr(int8_kernel, "available", lambda: False)
     monkeypatch.setattr(reduction, "DEQUANT_BLOCK", 16)  # several blocks at many rows
     linear = _linear(40, 24, bias)
     layer = Int8Linear(linear)
+    assert layer.uses_kernel is kernel
     x = torch.randn(rows, 24)
     with torch.inference_mode():
         got = layer(x)
         expected = F.linear(x, layer.weight, linear.bias)
     assert got.shape == (rows, 40)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if kernel and rows <= reduction.REDUCE_ROWS:
+        assert int8_kernel.close(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # and close to the fp32 layer it replaced, within the quantization's error
     torch.testing.assert_close(got, linear(x).detach(), rtol=0.05, atol=0.05)
 
@@ -94,12 +105,15 @@ def test_int8_is_refused_where_inductor_cannot_build(monkeypatch):
 
 
 @needs_int8
-@pytest.mark.parametrize("capability, slow", [("AVX2", True), ("AVX512", False),
-                                              ("AVX512_BF16", False)])
-def test_int8_on_a_cpu_without_avx512_says_it_is_slow(capability, slow, monkeypatch, caplog):
+@pytest.mark.parametrize("capability, kernel, slow", [
+    ("AVX2", False, True), ("AVX2", True, False), ("AVX512", False, False),
+    ("AVX512_BF16", False, False)])
+def test_int8_where_it_is_slow_says_so(capability, kernel, slow, monkeypatch, caplog):
+    """Slow: no AVX-512 for inductor's loop, and no sfi kernel."""
     from sfi import notices
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(int8_kernel, "available", lambda: kernel)
     monkeypatch.setattr(notices, "_said", set())
     with caplog.at_level("WARNING", logger="sfi"):
         prefer_decode_layout(tiny_model("llama"), "int8")

@@ -8,30 +8,32 @@ are a quarter of fp32's. PyTorch's own int8 weight-only CPU kernel
 that inductor compiles (:mod:`sfi.reduction`: up to ``REDUCE_ROWS`` rows; more rows multiply
 dequantised blocks with ``F.linear``).
 
-The loop is fast only where the CPU has AVX-512 (:func:`int8_runs_fast`): with AVX2 alone
-inductor loads the int8 weights eight at a time through a partial-vector copy, and the product
-reads about 1.5 GB/s of weights (fp32's ``F.linear`` about 36 GB/s on the same CPU); neither
-packing four weights per int32 lane nor PyTorch's ``_weight_int8pack_mm`` passed 5.5 GB/s
-there. Loading int8 weights on such a CPU says so (:func:`warn_if_slow`).
+On a CPU with AVX2 but not AVX-512, inductor loads the int8 weights eight at a time through a
+partial-vector copy, and the compiled loop reads about 1.3-1.5 GB/s of weights; there the
+product runs in sfi's own kernel (:mod:`sfi.int8_kernel`, which rounds each row of ``x`` to
+int16 and sums in int32) where it builds. Where neither is fast (:func:`int8_runs_fast`),
+loading int8 weights says so (:func:`warn_if_slow`).
 """
 
 from __future__ import annotations
 
 import torch
 
+import sfi.int8_kernel as int8_kernel
 from sfi.notices import notice_once
 from sfi.reduction import ReducedLinear
 
-#: what :func:`warn_if_slow` says on a CPU without AVX-512
+#: what :func:`warn_if_slow` says on a CPU where int8 products are slow
 SLOW_INT8 = ("int8 weights decode several times slower than native ones on this CPU (no "
-             "AVX-512: the int8 product reads about 1.5 GB/s of weights here); use native "
-             "weights")
+             "AVX-512, and sfi's AVX2 kernel did not build: the int8 product reads about 1.5 "
+             "GB/s of weights here); use native weights")
 
 
 def int8_runs_fast() -> bool:
-    """Whether the compiled int8 product is fast on this CPU: PyTorch runs it with AVX-512
-    (on AVX2 alone it is several times slower than fp32; see the module)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    """Whether int8 products are fast on this CPU: inductor's loop with AVX-512, or sfi's
+    kernel (:func:`sfi.int8_kernel.available`; see the module)."""
+    return (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+            or int8_kernel.available())
 
 
 def warn_if_slow() -> None:
@@ -74,6 +76,13 @@ class Int8Linear(ReducedLinear):
 
     def operands(self) -> tuple[torch.Tensor, ...]:
         return (self.w8, self.scale)
+
+    def kernel_runs(self, dtype: torch.dtype) -> bool:
+        """sfi's AVX2 kernel (:mod:`sfi.int8_kernel`) for an fp32 model, where it runs."""
+        return dtype == torch.float32 and int8_kernel.available()
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sfi.int8_gemv(x, self.w8, self.scale)
 
     def widened(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         return self.w8[start:end].to(dtype) * self.scale[start:end, None].to(dtype)

@@ -68,9 +68,11 @@ class ReducedLinear(torch.nn.Module):
 
     A subclass stores its weight (buffers) and gives :attr:`format`, :meth:`product` (the
     reduction, a plain function of ``x`` and :meth:`operands`), :meth:`widened` (output rows
-    of the weight in a dtype) and :meth:`stored_bytes`. ``forward(x [..., in]) -> [..., out]``
-    in ``x``'s dtype: up to :data:`REDUCE_ROWS` rows the product compiled for the weight's
-    shape (inlined where the whole step is compiled), more rows :func:`blocked_linear`.
+    of the weight in a dtype) and :meth:`stored_bytes`, and may give a kernel of its own
+    (:meth:`kernel_runs`, :meth:`kernel_product`). ``forward(x [..., in]) -> [..., out]`` in
+    ``x``'s dtype: up to :data:`REDUCE_ROWS` rows the format's kernel where it runs, else the
+    product compiled for the weight's shape (inlined where the whole step is compiled); more
+    rows :func:`blocked_linear`.
     ``weight`` gives the ``[out, in]`` matrix widened to fp32, made on each access and not a
     parameter: the model no longer trains through it; ``state_dict`` holds it under the
     linear layer's keys.
@@ -86,11 +88,23 @@ class ReducedLinear(torch.nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(),
                                                                  requires_grad=False)
-        self._compiled = compiled_for_shape(type(self).product, self.in_features,
-                                            self.out_features)
+        #: a few rows' products run in the format's own kernel (:meth:`kernel_runs`), else in
+        #: the compiled reduction
+        self.uses_kernel = self.kernel_runs(linear.weight.dtype)
+        self._compiled = None if self.uses_kernel else compiled_for_shape(
+            type(self).product, self.in_features, self.out_features)
 
     def operands(self) -> tuple[torch.Tensor, ...]:
         """What :meth:`product` takes after ``x`` (the stored weight)."""
+        raise NotImplementedError
+
+    def kernel_runs(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`kernel_product` serves this layer here (a model in ``dtype``);
+        none by default."""
+        return False
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]`` (no bias) in the format's own kernel."""
         raise NotImplementedError
 
     def widened(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -115,8 +129,11 @@ class ReducedLinear(torch.nn.Module):
         if rows > REDUCE_ROWS:
             return blocked_linear(x, lambda start, end: self.widened(start, end, x.dtype),
                                   self.out_features, self.bias)
-        product = type(self).product if torch.compiler.is_compiling() else self._compiled
-        y = product(x, *self.operands())
+        if self.uses_kernel:
+            y = self.kernel_product(x)
+        else:
+            product = type(self).product if torch.compiler.is_compiling() else self._compiled
+            y = product(x, *self.operands())
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
