@@ -29,7 +29,7 @@ from sfi.prefill import PREFILL_CHUNK, prefill
 from sfi.slab import SlabLayer
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/img/memory.png")
-model, tokenizer = load("default")
+model, tokenizer = load("default", weights="native")
 sample = make_sample("niah", tokenizer, 7500, DEMO_SEED)
 config = SFIConfig.from_preset("default", k_fraction=0.15)
 ids = torch.tensor([sample.prompt_ids])

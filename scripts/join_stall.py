@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--join-tokens", type=int, default=3000)
     args = parser.parse_args()
     sfi.runtime.keep_freed_memory()
-    model, tokenizer = sfi.load("default")
+    model, tokenizer = sfi.load("default", weights="native")
     limits = {}
     if args.prefill_chunk is not None:
         limits["prefill_chunk"] = args.prefill_chunk

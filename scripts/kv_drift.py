@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--block-cost", action="store_true",
                         help="time dense forwards of 1-24 tokens instead (what a repair costs)")
     args = parser.parse_args()
-    model, tokenizer = sfi.load(args.model)
+    model, tokenizer = sfi.load(args.model, weights="native")
     if args.block_cost:
         block_cost(model, tokenizer, args.context)
         return

@@ -20,7 +20,7 @@ for name in ("transposed-mkl", "packed-onednn", "transposed-mkl#2", "packed-oned
     check = weight_layout.format_runs
     if name.startswith("transposed"):
         weight_layout.format_runs = lambda weights, dtype: False  # the fallback layout
-    model, tokenizer = load("default")
+    model, tokenizer = load("default", weights="native")
     weight_layout.format_runs = check
     bench = run_bench(model, tokenizer, contexts=[4096, 16384], batches=[1, 4], new_tokens=32,
                       config=SFIConfig(), modes=["sfi-fast-only"], synthetic_kv=True)

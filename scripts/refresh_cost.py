@@ -35,7 +35,7 @@ def own_engine(context: int, batch: int, steps: int) -> None:
     from sfi.prefill import prefill
     from sfi.prefix import prefix_kv
 
-    model, tokenizer = sfi.load("default")
+    model, tokenizer = sfi.load("default", weights="native")
     config = SFIConfig(**SFI)
     ids = _ids(benchmark_ids, tokenizer, context, batch)
     w = config.evidence_window

@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=28)
     args = parser.parse_args()
-    model, tokenizer = sfi.load("default")
+    model, tokenizer = sfi.load("default", weights="native")
     floor = steps(model, tokenizer, SFIConfig(), 256, args.batch, 16, mode="full-static")
     print(f"dense step at 256 tokens (full-static): "
           f"{1000 * statistics.median(s for s, _, _ in floor):.1f} ms")

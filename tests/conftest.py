@@ -64,7 +64,7 @@ def qwen_tokenizer():
 
 @pytest.fixture(scope="session")
 def default_model():
-    return sfi.load("default")
+    return sfi.load("default", weights="native")
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ CASES = [("passkey", 0), ("niah", 1), ("niah_multikey", 2), ("niah_multivalue", 
 
 @pytest.fixture(scope="module")
 def qwen():
-    return sfi.load("qwen2.5-0.5b")
+    return sfi.load("qwen2.5-0.5b", weights="native")
 
 
 @pytest.mark.model

@@ -25,6 +25,8 @@ import torch
 
 from sfi.cache_folder import cache_root
 from sfi.errors import ModelNotFoundError, SFIError
+from sfi.notices import notice_once
+from sfi.weight_choice import AUTO, check_ids, choose_weights
 from sfi.weight_layout import prefer_decode_layout
 
 CONVERTED_MARKER = "sfi-converted.json"
@@ -218,7 +220,8 @@ def default_device() -> torch.device:
 
 def load(name_or_path: str = "default", *, device: str | torch.device | None = None,
          dtype: torch.dtype | None = None, decode_layout: bool = True,
-         weights: str = "native", compile: bool | None = None) -> tuple[Any, Any]:
+         weights: str = "auto", compile: bool | None = None, batch: int = 1
+         ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``, ready for :func:`sfi.generate` and ``SlowFastCache``.
 
     Args:
@@ -230,15 +233,23 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
             (``sfi.weight_layout``: packed for oneDNN on x86, else wide weights transposed); results
             agree to float rounding. Packed layers cannot move to another device or train:
             pass ``decode_layout=False`` for a model you will move or fine-tune.
-        weights: ``native`` (the loaded dtype); on a CPU, ``bf16`` (x86), ``fp16`` (large
-            weights in float16, for batch 1) or ``int8`` (AVX-512) for the linear layers
-            (faster, not exact: ``sfi bench --weights native,fp16,int8`` measures speed and
-            fidelity against ``native``; ``sfi.weight_layout``).
+        weights: ``auto`` (the default: the fastest format for this CPU and ``batch`` whose
+            next-token distributions stay within KL 0.01 and 97% top-1 of the native weights',
+            checked once per model and cached: :mod:`sfi.weight_choice`; said in one notice;
+            ``native`` on a GPU or without ``decode_layout``), ``native`` (the loaded dtype);
+            on a CPU, ``bf16`` (x86), ``fp16`` (large weights in float16, for batch 1) or
+            ``int8`` (AVX-512) for the linear layers (faster, not exact: ``sfi bench --weights
+            native,fp16,int8`` measures speed and fidelity against ``native``;
+            ``sfi.weight_layout``). The format in use is ``model.sfi_weights``; what ``auto``
+            read to choose it, ``model.sfi_weight_choice``
+            (:class:`sfi.weight_choice.WeightChoice`).
         compile: compile the model's one-token decode steps with ``torch.compile``
             (:func:`sfi.compiled.compile_decode`: the first steps of a process take 10-90 s
             to compile, kernels are cached on disk). Default: with ``fp16`` and ``int8``
             weights, where it makes a step 1.2-1.5x faster; not with native ones, where it
             gains 2-5% (``docs/benchmarks.md``, ``docs/eval/weight-formats.md``).
+        batch: the most sequences decoded together, for ``weights="auto"``: the reduced
+            formats are batch-1 formats, so above 1 it keeps ``native``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -248,7 +259,11 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     hf_logging.disable_progress_bar()
     source = resolve(name_or_path)
     device = torch.device(device) if device is not None else default_device()
-    if weights != "native" and (device.type != "cpu" or not decode_layout):
+    if batch < 1:
+        raise SFIError(f"batch must be at least 1, got {batch}")
+    if weights == AUTO and (device.type != "cpu" or not decode_layout):
+        weights = "native"
+    if weights not in (AUTO, "native") and (device.type != "cpu" or not decode_layout):
         raise SFIError(f"weights={weights!r} is a CPU decode layout; it needs device='cpu' and "
                        "decode_layout=True")
     if dtype is None:
@@ -259,7 +274,12 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
     model = model.to(device).eval()
-    if decode_layout:
+    if weights == AUTO:
+        choice = choose_weights(model, check_ids(tokenizer), key=str(source), batch=batch)
+        weights = choice.format
+        notice_once(choice.summary())
+        model.sfi_weight_choice = choice
+    elif decode_layout:
         prefer_decode_layout(model, weights)
     check_routable(model)  # a clear error now, rather than when a cache is built
     if compile if compile is not None else weights in COMPILED_BY_DEFAULT:
@@ -267,4 +287,5 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
 
         compile_decode(model)
     model.sfi_tokenizer = tokenizer
+    model.sfi_weights = weights
     return model, tokenizer

@@ -193,7 +193,7 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
                 continue
             if module.weight.dim() != 2:
                 continue
-            layer_format = _layer_format(module, weights)
+            layer_format = linear_format(module, weights)
             if format_runs(layer_format, module.weight.dtype):
                 reduced = REDUCED_FORMATS.get(layer_format)
                 replaced = reduced(module) if reduced else PackedLinear(module, layer_format)
@@ -210,13 +210,28 @@ def prefer_decode_layout(model: torch.nn.Module, weights: str = "native") -> int
     return changed + packed
 
 
-def _layer_format(linear: torch.nn.Linear, weights: str) -> str:
+def linear_format(linear: torch.nn.Linear, weights: str) -> str:
     """The format ``linear`` takes when the model asks for ``weights``: fp16 stores only the
     weights worth it (:func:`sfi.fp16_linear.worth_storing`); the others take the native
     layout, as under ``weights="native"``."""
     if weights == "fp16" and not worth_storing(linear.in_features, linear.out_features):
         return "native"
     return weights
+
+
+def format_byte_saving(model: torch.nn.Module, weights: str) -> float:
+    """The share of the bytes of ``model``'s linear weights (plain ``nn.Linear`` layers, as
+    loaded) that format ``weights`` would save: fp16 over fp32 saves half of each layer it
+    stores (:func:`linear_format`), int8 three quarters."""
+    widths = {"int8": 1, "fp16": 2, "bf16": 2}
+    stored = total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dim() == 2:
+            native = module.weight.element_size()
+            count = module.weight.numel()
+            stored += count * min(native, widths.get(linear_format(module, weights), native))
+            total += count * native
+    return 1 - stored / total if total else 0.0
 
 
 def stored_weight_positions(model: torch.nn.Module) -> int:

@@ -138,7 +138,7 @@ def main(parts: list[str]) -> None:
     import sfi
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model, tokenizer = sfi.load("default")
+    model, tokenizer = sfi.load("default", weights="native")
     for part in parts or PARTS:
         value = compute(part, model, tokenizer)
         (HERE / f"{part}.json").write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")

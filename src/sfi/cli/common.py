@@ -33,20 +33,25 @@ def json_lines(path: Path | None) -> Callable[[Any], None] | None:
     return write
 
 
-def load_model(model: str, quiet: bool, weights: str = "native",
-               compile: bool | None = None):
+def load_model(model: str, quiet: bool, weights: str = "auto",
+               compile: bool | None = None, batch: int = 1):
     """``sfi.load(model)``, with a status line on the terminal unless ``quiet``; int8 weights
-    on a CPU where they decode slowly get a note (the library's notice, which the command
-    line's logger level silences)."""
+    on a CPU where they decode slowly get a note, and so does what ``auto`` chose, unless
+    ``quiet`` (the library's notices, which the command line's logger level silences)."""
     from sfi.int8_linear import SLOW_INT8, int8_runs_fast
     from sfi.models import load
 
     if weights == "int8" and not int8_runs_fast():
         note(SLOW_INT8)
     if quiet:
-        return load(model, weights=weights, compile=compile)
-    with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s)"):
-        return load(model, weights=weights, compile=compile)
+        return load(model, weights=weights, compile=compile, batch=batch)
+    with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s; "
+                    "weights auto checks formats once per model)"):
+        loaded = load(model, weights=weights, compile=compile, batch=batch)
+    choice = getattr(loaded[0], "sfi_weight_choice", None)
+    if choice is not None:
+        note(choice.summary())
+    return loaded
 
 
 def compile_seconds(model: Any) -> float | None:
@@ -60,9 +65,10 @@ def compile_seconds(model: Any) -> float | None:
 
 def one_format(weights: str) -> str:
     """The one weight format ``--weights`` names (a clear error otherwise)."""
+    from sfi.weight_choice import AUTO
     from sfi.weight_layout import WEIGHT_FORMATS
 
-    formats = name_list("--weights", weights, WEIGHT_FORMATS)
+    formats = name_list("--weights", weights, (AUTO, *WEIGHT_FORMATS))
     if len(formats) != 1:
         raise SFIError(f"--weights takes one format here, got {weights!r}")
     return formats[0]

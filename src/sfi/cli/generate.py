@@ -129,7 +129,7 @@ def generate_cmd(
         = False,
     prefill_chunk: Annotated[int, typer.Option(help="prefill the prompt in forwards of this "
                                                "many tokens (0: one forward)")] = 512,
-    weights: WeightsOpt = "native",
+    weights: WeightsOpt = "auto",
     compile: CompileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -183,7 +183,7 @@ def demo_cmd(
     seed: Annotated[int, typer.Option(help="which fact is hidden, and where")] = 1,
     max_new_tokens: Annotated[int, typer.Option(help="length of the longer answer, in tokens")]
         = 128,
-    weights: WeightsOpt = "native",
+    weights: WeightsOpt = "auto",
     compile: CompileOpt = None,
 ) -> None:
     """Side by side: one long document with a hidden fact, answered by full attention and SFI.

@@ -27,7 +27,7 @@ from sfi.errors import SFIError
 def serve_cmd(
     config: SFIConfig | None,
     model: ModelOpt = "default",
-    weights: WeightsOpt = "native",
+    weights: WeightsOpt = "auto",
     compile: CompileOpt = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
@@ -84,7 +84,8 @@ def serve_cmd(
         from sfi.fp16_linear import BATCH_ONE
 
         note(BATCH_ONE)
-    loaded_model, tokenizer = load_model(model, False, weights=weights, compile=compile)
+    loaded_model, tokenizer = load_model(model, False, weights=weights, compile=compile,
+                                         batch=max_batch)
     engine = Engine(loaded_model, tokenizer, config or SFIConfig(), **asdict(limits))
     app_ = create_app(engine, name, context_length(loaded_model), api_key=access.api_key,
                       allowed_hosts=list(access.allowed_hosts or ()),
