@@ -59,6 +59,7 @@ def test_generate_json_schema_both_modes(default_model):  # the fixture converts
     assert {"prefill_s", "decode_s", "decode_tok_s"} <= set(out["timing"])
     assert out["new_tokens"] >= 1 and out["stats"]["fast_steps"] >= 1
     assert out["config"]["min_refresh_gap"] == 2
+    assert out["weights"] in ("native", "bf16", "fp16", "int8")  # what auto chose, by name
     full = json.loads(run_cli(*common, "--mode", "full").stdout)
     assert full["mode"] == "full" and full["stats"]["fast_steps"] == 0
     exact = json.loads(run_cli(*common, "--mode", "exact", "--recent", "4", "--k-head", "4",

@@ -91,3 +91,32 @@ def test_docs_carry_no_dates_or_commit_ids():
         text = path.read_text(encoding="utf-8")
         assert not date.search(text), (path, date.search(text))
         assert not commit.search(text), (path, commit.search(text))
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_every_table_marked_as_data_is_what_its_data_renders():
+    from sfi.bench.doc_tables import BLOCK, render
+
+    marked = [page for page in _pages() if BLOCK.search(page.read_text(encoding="utf-8"))]
+    assert ROOT / "docs" / "eval" / "weight-formats.md" in marked
+    for page in marked:
+        assert page.read_text(encoding="utf-8") == render(page), (
+            f"{page.relative_to(ROOT)}: a table differs from its data; run "
+            f"python -m sfi.bench.doc_tables {page.relative_to(ROOT)}")
+
+
+def test_a_figure_changed_by_hand_is_caught(tmp_path):
+    from sfi.bench.doc_tables import render
+
+    data = {"cpu": "AVX2", "products": [
+        {"shape": "4x8", "path": "a", "ms": 1.0, "gb_s": 2.0, "of_bandwidth": 0.5}]}
+    (tmp_path / "d.json").write_text(__import__("json").dumps(data))
+    page = tmp_path / "p.md"
+    page.write_text("x\n<!-- table: weight-products d.json -->\nold\n<!-- /table -->\n")
+    rendered = render(page)
+    assert "| 4 x 8 | 1.00 ms, 2.0 GB/s (50%) |" in rendered and "old" not in rendered
+    page.write_text(rendered.replace("2.0 GB/s", "2.5 GB/s"))
+    assert render(page) != page.read_text()

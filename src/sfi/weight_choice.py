@@ -99,9 +99,9 @@ class WeightChoice:
 
     def summary(self) -> str:
         """One line for the user: the format, the CPU and why."""
-        reasons = [v.text() + (" (kept)" if v.format == self.format else
-                               f" (over KL {MAX_KL:g} or under top-1 {MIN_TOP1:.0%})")
-                   for v in self.verdicts]
+        reasons = [v.text() + (" (kept)" if v.passed else
+                               f" (over KL {MAX_KL:g})" if v.kl_mean > MAX_KL else
+                               f" (under top-1 {MIN_TOP1:.0%})") for v in self.verdicts]
         reasons += [f"{name}: {why}" for name, why in self.passed_over.items()]
         checked = (f" against native weights over {self.verdicts[0].tokens} tokens"
                    + ("" if self.measured else ", cached")) if self.verdicts else ""

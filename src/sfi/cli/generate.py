@@ -162,7 +162,7 @@ def generate_cmd(
                        chat=chat, temperature=temperature, top_p=top_p, seed=seed,
                        prefill_chunk=prefill_chunk or None)
     if as_json:
-        print(json.dumps({"model": model, "weights": one_format(weights),
+        print(json.dumps({"model": model, "weights": loaded_model.sfi_weights,
                           "compile_s": compile_seconds(loaded_model), **result.to_dict()}))
         return
     if not stream:
