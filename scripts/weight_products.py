@@ -40,6 +40,37 @@ def median_seconds(call: Callable[[int], object], copies: int, repeats: int) -> 
     return statistics.median(times)
 
 
+def shape_products(out: int, inp: int, rows: int, megabytes: int, repeats: int,
+                   bandwidth: float) -> list[dict[str, object]]:
+    """Each path's product for one weight shape."""
+    elements = out * inp
+    x = torch.randn(rows, inp)
+    copies = max(2, megabytes * 2 ** 20 // elements)
+    w8, scale = quantize_rows(torch.randn(out, inp))
+    int8s = [w8.clone() for _ in range(copies)]
+    fp16s = [torch.randn(out, inp).half() for _ in range(max(2, copies // 2))]
+    packed = [PackedLinear(torch.nn.Linear(inp, out, bias=False))
+              for _ in range(max(2, copies // 4))]
+    reduced8 = compiled_for_shape(int8_product, inp, out)
+    reduced16 = compiled_for_shape(fp16_product, inp, out)
+    paths: dict[str, tuple[Callable[[int], object], int, int]] = {
+        "fp32 oneDNN (native)": (lambda i: packed[i](x), len(packed), 4),
+        "fp16 compiled reduction": (lambda i: reduced16(x, fp16s[i]), len(fp16s), 2),
+        "int8 compiled reduction": (lambda i: reduced8(x, int8s[i], scale), copies, 1),
+    }
+    if int8_kernel.available():
+        paths["int8 sfi kernel"] = (lambda i: torch.ops.sfi.int8_gemv(x, int8s[i], scale),
+                                    copies, 1)
+    found = []
+    with torch.inference_mode():
+        for name, (call, count, width) in paths.items():
+            seconds = median_seconds(call, count, repeats)
+            gb_s = elements * width / seconds / 1e9
+            found.append({"shape": f"{out}x{inp}", "path": name, "ms": round(seconds * 1e3, 3),
+                          "gb_s": round(gb_s, 1), "of_bandwidth": round(gb_s / bandwidth, 2)})
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1)
@@ -51,33 +82,8 @@ def main() -> None:
               "rows": args.rows, "bandwidth_gb_s": round(bandwidth, 2),
               "int8_kernel": int8_kernel.available(), "products": []}
     for out, inp in SHAPES:
-        elements = out * inp
-        x = torch.randn(args.rows, inp)
-        copies = max(2, args.megabytes * 2 ** 20 // elements)
-        w8, scale = quantize_rows(torch.randn(out, inp))
-        int8s = [w8.clone() for _ in range(copies)]
-        fp16s = [torch.randn(out, inp).half() for _ in range(max(2, copies // 2))]
-        packed = []
-        for _ in range(max(2, copies // 4)):
-            linear = torch.nn.Linear(inp, out, bias=False)
-            packed.append(PackedLinear(linear))
-        reduced8 = compiled_for_shape(int8_product, inp, out)
-        reduced16 = compiled_for_shape(fp16_product, inp, out)
-        paths: dict[str, tuple[Callable[[int], object], int, int]] = {
-            "fp32 oneDNN (native)": (lambda i: packed[i](x), len(packed), 4),
-            "fp16 compiled reduction": (lambda i: reduced16(x, fp16s[i]), len(fp16s), 2),
-            "int8 compiled reduction": (lambda i: reduced8(x, int8s[i], scale), copies, 1),
-        }
-        if int8_kernel.available():
-            paths["int8 sfi kernel"] = (lambda i: torch.ops.sfi.int8_gemv(x, int8s[i], scale),
-                                        copies, 1)
-        with torch.inference_mode():
-            for name, (call, count, width) in paths.items():
-                seconds = median_seconds(call, count, args.repeats)
-                gb_s = elements * width / seconds / 1e9
-                result["products"].append({
-                    "shape": f"{out}x{inp}", "path": name, "ms": round(seconds * 1e3, 3),
-                    "gb_s": round(gb_s, 1), "of_bandwidth": round(gb_s / bandwidth, 2)})
+        result["products"] += shape_products(out, inp, args.rows, args.megabytes, args.repeats,
+                                             bandwidth)
     print(json.dumps(result, indent=1))
 
 

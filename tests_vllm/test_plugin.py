@@ -141,7 +141,7 @@ def full_48(smol, essay_prompts):
     tokens under stock vLLM and under transformers' full attention."""
     import sfi
 
-    model, tokenizer = sfi.load("default")
+    model, tokenizer = sfi.load("default", weights="native")  # as vLLM runs it
     texts = [tokenizer.decode(prompt) for prompt in essay_prompts]
     assert [tokenizer(text)["input_ids"] for text in texts] == essay_prompts
     full = [list(sfi.generate(model, tokenizer, text, max_new_tokens=48, mode="full").token_ids)

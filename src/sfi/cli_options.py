@@ -25,8 +25,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 WeightsOpt = Annotated[str, typer.Option(
     "--weights", help="linear-layer weights on a CPU: auto (the fastest format here that "
     "stays within KL 0.01 and 97% top-1 of native, checked once per model) | native (exact) | "
-    "bf16 (x86) | fp16 (batch 1) | int8 (AVX-512) (faster, not exact: "
-    "docs/eval/weight-formats.md)")]
+    "bf16 (x86) | fp16 (batch 1) | int8 (AVX-512, or AVX2 with sfi's kernel) (faster, not "
+    "exact: docs/eval/weight-formats.md)")]
 CompileOpt = Annotated[bool | None, typer.Option(
     "--compile/--no-compile", help="compile the one-token decode steps with torch.compile "
     "(10-90 s on first use, cached on disk) [default: with fp16 or int8 weights]")]

@@ -15,11 +15,11 @@ read as one stream (which of the two was faster for Qwen2.5-0.5B's shapes on a 2
 EPYC: ``scripts/weight_products.py``). :func:`reference_product` is the same product
 in PyTorch, unrounded: the tests hold the kernel to it (:func:`close`).
 
-It is built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; about a
-minute, once: the build is kept in sfi's cache folder) and used only where it builds, passes a
-check product and the CPU has AVX2 and no AVX-512 (:func:`available`); elsewhere the compiled
-reduction runs. To the compiler it is one operator (``torch.ops.sfi.int8_gemv``) that a
-compiled step calls as it is.
+It is built on first use with ``torch.utils.cpp_extension`` (a C++ compiler, and ninja, a
+dependency of sfi; about a minute, once: the build is kept in sfi's cache folder) and used
+only where it builds, passes a check product and the CPU has AVX2 and no AVX-512
+(:func:`available`, :func:`why_not`); elsewhere the compiled reduction runs. To the compiler
+it is one operator (``torch.ops.sfi.int8_gemv``) that a compiled step calls as it is.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -156,6 +158,8 @@ constexpr int64_t LONG_ROW = 2048;
 }  // namespace
 
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scale.device().is_cpu(),
+              "sfi::int8_gemv runs on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
               "w must be a contiguous [out, in] int8 matrix");
@@ -222,29 +226,46 @@ def cpu_takes_kernel() -> bool:
 
 
 @cache
-def _extension() -> Any | None:
-    """The built kernel module, or None where it does not build or run here."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_takes_kernel():
-        return None
+def _built() -> tuple[Any | None, str]:
+    """``(the built kernel module, "")``, or ``(None, why not)``."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"{ENV_SWITCH}=0"
+    if not cpu_takes_kernel():
+        return None, "not a CPU with AVX2 and FMA but without AVX-512"
     from torch.utils.cpp_extension import load_inline
 
     digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + torch.__version__).encode())
     name = f"sfi_int8_gemv_{digest.hexdigest()[:12]}"
     folder = cache_root() / "extensions" / name
+    # the ninja of sfi's own environment (a dependency) where the environment is not activated
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
         folder.mkdir(parents=True, exist_ok=True)
         module = load_inline(name=name, cpp_sources=_SOURCE, functions=["int8_gemv"],
                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                              build_directory=str(folder), verbose=False)
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(3, 40, generator=generator)
-        w = torch.randint(-127, 128, (9, 40), dtype=torch.int8, generator=generator)
-        scale = torch.rand(9, generator=generator)
-        if not close(module.int8_gemv(x, w, scale), reference_product(x, w, scale)):
-            return None
-    except Exception:  # no compiler, no ninja, a build that fails: the reduction runs instead
-        return None
-    return module
+    except Exception as exc:  # no compiler, no headers: the reduction runs instead
+        return None, f"it did not build ({type(exc).__name__}: {str(exc)[:200]})"
+    finally:
+        os.environ["PATH"] = path
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, generator=generator)
+    w = torch.randint(-127, 128, (9, 40), dtype=torch.int8, generator=generator)
+    scale = torch.rand(9, generator=generator)
+    if not close(module.int8_gemv(x, w, scale), reference_product(x, w, scale)):
+        return None, "it built but its check product disagreed with the reference"
+    return module, ""
+
+
+def _extension() -> Any | None:
+    """The built kernel module, or None where it does not build or run here."""
+    return _built()[0]
+
+
+def why_not() -> str:
+    """Why the kernel does not run here ("" where it does)."""
+    return _built()[1]
 
 
 def available() -> bool:

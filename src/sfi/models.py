@@ -27,7 +27,7 @@ from sfi.cache_folder import cache_root
 from sfi.errors import ModelNotFoundError, SFIError
 from sfi.notices import notice_once
 from sfi.weight_choice import AUTO, check_ids, choose_weights
-from sfi.weight_layout import prefer_decode_layout
+from sfi.weight_layout import WEIGHT_FORMATS, prefer_decode_layout
 
 CONVERTED_MARKER = "sfi-converted.json"
 #: the weight formats whose decode steps are compiled unless ``compile=False``: their
@@ -238,8 +238,9 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
             checked once per model and cached: :mod:`sfi.weight_choice`; said in one notice;
             ``native`` on a GPU or without ``decode_layout``), ``native`` (the loaded dtype);
             on a CPU, ``bf16`` (x86), ``fp16`` (large weights in float16, for batch 1) or
-            ``int8`` (AVX-512) for the linear layers (faster, not exact: ``sfi bench --weights
-            native,fp16,int8`` measures speed and fidelity against ``native``;
+            ``int8`` (AVX-512, or AVX2 with sfi's kernel) for the linear layers (faster, not
+            exact: ``sfi bench --weights native,fp16,int8`` measures speed and fidelity
+            against ``native``;
             ``sfi.weight_layout``). The format in use is ``model.sfi_weights``; what ``auto``
             read to choose it, ``model.sfi_weight_choice``
             (:class:`sfi.weight_choice.WeightChoice`).
@@ -261,6 +262,9 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     device = torch.device(device) if device is not None else default_device()
     if batch < 1:
         raise SFIError(f"batch must be at least 1, got {batch}")
+    if weights not in (AUTO, *WEIGHT_FORMATS):
+        raise SFIError(f"unknown weight format {weights!r}; choose one of "
+                       f"{', '.join((AUTO, *WEIGHT_FORMATS))}")
     if weights == AUTO and (device.type != "cpu" or not decode_layout):
         weights = "native"
     if weights not in (AUTO, "native") and (device.type != "cpu" or not decode_layout):
@@ -274,6 +278,7 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
     model = model.to(device).eval()
+    check_routable(model)  # a clear error now, rather than when a cache is built
     if weights == AUTO:
         choice = choose_weights(model, check_ids(tokenizer), key=str(source), batch=batch)
         weights = choice.format
@@ -281,7 +286,6 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
         model.sfi_weight_choice = choice
     elif decode_layout:
         prefer_decode_layout(model, weights)
-    check_routable(model)  # a clear error now, rather than when a cache is built
     if compile if compile is not None else weights in COMPILED_BY_DEFAULT:
         from sfi.compiled import compile_decode
 

@@ -5,8 +5,9 @@ The candidates (:func:`candidates`) depend on the CPU and the batch: at batch 1 
 streams every weight once, so fewer bytes are faster where the CPU's product reads them near
 bandwidth: ``int8`` (a quarter of fp32's bytes) where int8 products are fast (AVX-512, or AVX2
 with sfi's kernel, :mod:`sfi.int8_kernel`); ``fp16`` (half) with AVX2 or AVX-512; ``native``
-last, always. From two rows on the reduced formats' products are slower than native's, so
-``native`` is the one candidate there (``docs/eval/weight-formats.md``). A format that does not
+last, always. From two rows on the compiled reduction's products were measured slower than
+native's (``docs/eval/weight-formats.md``; sfi's AVX2 kernel was not measured there), so
+``native`` is the one candidate above batch 1. A format that does not
 run here (:func:`sfi.weight_layout.format_runs`), or saves less than :data:`MIN_SAVING` of the
 weight bytes (:func:`sfi.weight_layout.format_byte_saving`), is passed over.
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+import sfi.int8_kernel as int8_kernel
 from sfi.cache_folder import cache_root
 from sfi.errors import SFIError
 from sfi.int8_linear import int8_runs_fast
@@ -43,8 +45,8 @@ MAX_KL = 0.01
 MIN_TOP1 = 0.97
 #: the least share of the linear weights' bytes a format must save to be tried: a format that
 #: stores only a few layers narrow (fp16 on a small model, :func:`sfi.fp16_linear.worth_storing`)
-#: saves too little to pay for its compiled step (SmolLM2-135M, fp16 saving 11%, AVX2: the fast
-#: step 1.00x native's, 131 s to compile; docs/eval/weight-formats.md)
+#: saves too little to pay for its compiled step (SmolLM2-135M, fp16 saving 11%: its SFI steps
+#: 0.78-0.90x native's at 7,500 tokens on AVX2, docs/eval/weight-formats.md)
 MIN_SAVING = 0.25
 #: essay tokens of the teacher-forced check
 CHECK_TOKENS = 1024
@@ -138,12 +140,12 @@ def choose_weights(model: torch.nn.Module, ids: torch.Tensor | None, *, key: str
     dtype = next(model.parameters()).dtype
     choice = WeightChoice(format="native", capability=capability, batch=batch)
     reference: torch.Tensor | None = None
-    for name in candidates(capability, batch, dtype, int8_runs_fast()):
+    # int8 is fast with AVX-512's compiled loop, or on AVX2 in sfi's kernel (fp32 models)
+    int8_may_run_fast = capability.startswith("AVX512") or (
+        dtype == torch.float32 and int8_kernel.cpu_takes_kernel())
+    for name in candidates(capability, batch, dtype, int8_may_run_fast):
         if name == "native":
             break
-        if not format_runs(name, dtype):
-            choice.passed_over[name] = "does not run here"
-            continue
         saving = format_byte_saving(model, name)
         if saving < MIN_SAVING:
             choice.passed_over[name] = (f"saves {saving:.0%} of the weight bytes "
@@ -152,21 +154,34 @@ def choose_weights(model: torch.nn.Module, ids: torch.Tensor | None, *, key: str
         if ids is None:
             choice.passed_over[name] = f"not checked (no essays to check with; {ESSAYS_HINT})"
             continue
-        path = store / f"{_fingerprint(model, key, name, ids.shape[1])}.json"
+        path = store / f"{_fingerprint(model, key, name, ids)}.json"
         verdict = _read(path)
-        if verdict is not None and not verdict.passed:
+        if verdict is not None and not verdict.passed:  # decided without building anything
             choice.verdicts.append(verdict)
+            continue
+        # (on AVX2, int8_runs_fast builds sfi's int8 kernel, once per machine)
+        if not format_runs(name, dtype):
+            choice.passed_over[name] = "does not run here"
+            continue
+        if name == "int8" and not int8_runs_fast():
+            choice.passed_over[name] = ("slow here: sfi's int8 kernel does not run "
+                                        f"({int8_kernel.why_not()})")
             continue
         if verdict is not None:
             prefer_decode_layout(model, name)
             choice.verdicts.append(verdict)
             choice.format = name
             return choice
-        if reference is None:
-            reference = next_token_log_probs(model, ids)
         linears = _linear_layers(model)
-        prefer_decode_layout(model, name)
-        measured = weight_fidelity(name, reference, model, ids)
+        try:
+            if reference is None:
+                reference = next_token_log_probs(model, ids)
+            prefer_decode_layout(model, name)
+            measured = weight_fidelity(name, reference, model, ids)
+        except Exception as exc:  # a check that cannot run (memory, a model's own limits)
+            _put_back(model, linears)
+            choice.passed_over[name] = f"not checked ({type(exc).__name__}: {exc})"
+            continue
         verdict = Verdict(name, measured.tokens, measured.kl_mean, measured.top1)
         _write(path, verdict)
         choice.verdicts.append(verdict)
@@ -204,14 +219,22 @@ def _put_back(model: torch.nn.Module,
         setattr(parent, name, module)
 
 
-def _fingerprint(model: torch.nn.Module, key: str, name: str, tokens: int) -> str:
-    """A hash of what a verdict depends on: the model (its name, config, parameter count and
-    the sums of its first and last linear weights), the format, the tokens and torch."""
+#: what a verdict's cache key says of how formats are made and checked; raised when either
+#: changes, so that older verdicts are measured again
+SCHEME = 1
+
+
+def _fingerprint(model: torch.nn.Module, key: str, name: str, ids: torch.Tensor) -> str:
+    """A hash of what a verdict depends on: the model (its name, config, parameter count and a
+    sample of its first and last linear weights), the format, the check's token ids, torch and
+    :data:`SCHEME`."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    sums = [float(m.weight.detach().double().sum()) for m in (linears[:1] + linears[-1:])]
+    sums = [float(m.weight.detach().reshape(-1)[::997].double().sum())
+            for m in (linears[:1] + linears[-1:])]
     config = getattr(model, "config", None)
     described = {
-        "key": key, "format": name, "tokens": tokens, "torch": torch.__version__.split("+")[0],
+        "key": key, "format": name, "scheme": SCHEME, "torch": torch.__version__.split("+")[0],
+        "ids": hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest(),
         "config": config.to_json_string(use_diff=False) if config is not None else "",
         "parameters": sum(p.numel() for p in model.parameters()), "sums": sums,
     }

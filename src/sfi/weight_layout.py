@@ -41,8 +41,9 @@ PACK_ROWS = 4
 #: unrounded, a kernel that inductor compiles; any x86 CPU with AVX2); ``int8`` stores every
 #: linear layer's weight as int8 per output channel (:class:`sfi.int8_linear.Int8Linear`: a
 #: quarter of fp32's bytes, products in the activations' dtype, a kernel that inductor
-#: compiles, fast with AVX-512 only). Norms, embeddings, attention and the KV cache stay in
-#: the model's dtype. ``docs/eval/weight-formats.md`` measures each.
+#: compiles, fast with AVX-512; on AVX2 sfi's own kernel, :mod:`sfi.int8_kernel`). Norms,
+#: embeddings, attention and the KV cache stay in the model's dtype.
+#: ``docs/eval/weight-formats.md`` measures each.
 WEIGHT_FORMATS = ("native", "bf16", "fp16", "int8")
 #: the formats whose products inductor compiles (:mod:`sfi.reduction`), by layer class
 REDUCED_FORMATS = {"fp16": Fp16Linear, "int8": Int8Linear}

@@ -36,7 +36,7 @@ def weight_products(data: dict[str, Any]) -> str:
         f"{cell[shape, path]['ms']:.2f} ms, {cell[shape, path]['gb_s']:.1f} GB/s "
         f"({cell[shape, path]['of_bandwidth']:.0%})" if (shape, path) in cell else "-"
         for path in paths] for shape in shapes]
-    return _table(["weight (out x in), 1 row"] + paths, rows)
+    return _table(["weight (out x in), 1 row", *paths], rows)
 
 
 def weight_format_steps(data: dict[str, Any]) -> str:
@@ -55,8 +55,29 @@ def weight_format_steps(data: dict[str, Any]) -> str:
                    "byte floor ms", "x dense, same weights"], rows)
 
 
+def versus_llama_cpp(data: dict[str, Any]) -> str:
+    """``sfi bench --weights ... --gguf ... --json``: decode tokens/s of each of sfi's rows and
+    its ratio to llama.cpp's (the first llama.cpp row of the same context and batch)."""
+    peer = {}
+    for r in data["rows"]:
+        if r["mode"].startswith("llama.cpp"):
+            peer.setdefault((r["context"], r["batch"]), r)
+    rows = []
+    for r in data["rows"]:
+        other = peer.get((r["context"], r["batch"]))
+        if r["mode"].startswith("llama.cpp") or other is None:
+            continue
+        rows.append([f"{r['context']:,}", r["weights"], f"`{r['mode']}`",
+                     f"{r['decode_tok_s']:.2f}", f"{other['decode_tok_s']:.2f}",
+                     f"{r['decode_tok_s'] / other['decode_tok_s']:.2f}x"])
+    name = next(iter(peer.values()))["mode"] if peer else "llama.cpp"
+    return _table(["context", "sfi weights", "sfi mode", "sfi tokens/s", f"{name} tokens/s",
+                   "sfi x llama.cpp"], rows)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "weight-products": weight_products, "weight-format-steps": weight_format_steps}
+    "weight-products": weight_products, "weight-format-steps": weight_format_steps,
+    "versus-llama-cpp": versus_llama_cpp}
 
 
 def render(page: Path) -> str:

@@ -211,7 +211,8 @@ def bench_vllm_cmd(
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SFIError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if own_engine:
-        loaded_model, tokenizer = load_model(model, as_json)
+        # the weights vLLM reads: peers compare at equal weight width
+        loaded_model, tokenizer = load_model(model, as_json, weights="native")
         from sfi.bench.throughput import context_length
 
         limit = context_length(loaded_model)

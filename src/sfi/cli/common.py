@@ -45,8 +45,9 @@ def load_model(model: str, quiet: bool, weights: str = "auto",
         note(SLOW_INT8)
     if quiet:
         return load(model, weights=weights, compile=compile, batch=batch)
-    with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s; "
-                    "weights auto checks formats once per model)"):
+    checks = ("; weights auto checks the formats once per model, and on AVX2 builds sfi's "
+              "int8 kernel once" if weights == "auto" else "")
+    with err.status(f"Loading {model} (the first load converts a GGUF once, 30-90 s{checks})"):
         loaded = load(model, weights=weights, compile=compile, batch=batch)
     choice = getattr(loaded[0], "sfi_weight_choice", None)
     if choice is not None:

@@ -97,6 +97,10 @@ def eval_cmd(
     if resume and out is None:
         raise SFIError("--resume needs --out (the folder of the interrupted run)")
     journal = None if out is None else out / "rows.jsonl"
+    if resume and weights != "auto":  # a journal of other weights, refused before the load
+        _read_journal(journal, weights)
+    loaded_model, tokenizer = load_model(model, as_json, weights=weights, compile=compile)
+    weights = loaded_model.sfi_weights  # the rows name the format auto chose
     earlier = _read_journal(journal, weights) if resume else []
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +111,6 @@ def eval_cmd(
             with journal.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r.to_dict()) + "\n" for r in new_rows)
 
-    loaded_model, tokenizer = load_model(model, as_json, weights=weights, compile=compile)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn())
     with Progress(*columns, console=err, transient=True, disable=as_json) as progress:
@@ -198,6 +201,7 @@ def diagnose_cmd(
     budget_tokens(budget, context)
     weights = one_format(weights)
     loaded_model, tokenizer = load_model(model, as_json, weights=weights, compile=compile)
+    weights = loaded_model.sfi_weights  # what auto chose, by name
     sample = make_sample(task, tokenizer, context, seed, depth=depth)
     with err.status("diagnosing") if not as_json else contextlib.nullcontext():
         result = diagnose(loaded_model, tokenizer, sample, seed, method_list, budget,
@@ -290,7 +294,7 @@ def analyze_cmd(
     if tokens < 2 or top_k < 1:
         raise SFIError("--tokens must be >= 2 and --top-k >= 1")
     config = config or build_config(k_fraction=0.15)
-    loaded_model, tokenizer = load_model(model, as_json)
+    loaded_model, tokenizer = load_model(model, as_json, weights="native")  # as sfi eval
     sample = make_sample("fidelity", tokenizer, context, seed, continuation=tokens)
     ids = torch.tensor([sample.prompt_ids], device=next(loaded_model.parameters()).device)
     with err.status(f"decoding {tokens} tokens after {context} with full attention",

@@ -151,21 +151,38 @@ class WeightFidelity:
 
 
 @torch.inference_mode()
-def next_token_log_probs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def next_token_log_probs(model: torch.nn.Module, ids: torch.Tensor, chunk: int | None = None
+                         ) -> torch.Tensor:
     """``[N - 1, V]`` float32 log-probabilities of ``ids [1, N]``'s tokens 1..N-1, each from
-    the real tokens before it (one full-attention forward: teacher forcing)."""
-    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-    return F.log_softmax(logits.float(), dim=-1)
+    the real tokens before it (full attention: teacher forcing). One forward, or with
+    ``chunk`` forwards of that many tokens over a cache of the ones before: each linear layer
+    then multiplies ``chunk`` rows at a time, as a decode step does (the narrow weight formats
+    take another product for a few rows than for many: ``sfi.reduction``)."""
+    if chunk is None:
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+        return F.log_softmax(logits.float(), dim=-1)
+    from transformers import DynamicCache
+
+    from sfi.hf import cache_argument
+
+    cache = {cache_argument(model): DynamicCache(config=model.config)}
+    parts = [model(input_ids=ids[:, start: start + chunk], use_cache=True, **cache).logits[0]
+             for start in range(0, ids.shape[1], chunk)]
+    return F.log_softmax(torch.cat(parts)[:-1].float(), dim=-1)
 
 
 def weight_fidelity(name: str, native: torch.Tensor, model: torch.nn.Module,
                     ids: torch.Tensor) -> WeightFidelity:
     """Compare ``model`` (the network in weight format ``name``) with ``native [N - 1, V]``
     (:func:`next_token_log_probs` of the native weights) on the same ``ids [1, N]``:
-    KL(native || format) per position, top-1 agreement, and both perplexities."""
+    KL(native || format) per position, top-1 agreement, and both perplexities. The format's
+    side runs :data:`sfi.reduction.REDUCE_ROWS` tokens a forward, so that its products are
+    the ones its decode steps take."""
+    from sfi.reduction import REDUCE_ROWS
+
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != native.shape[0] + 1:
         raise SFIError("ids must be the [1, N] sequence the native log-probabilities came from")
-    got = next_token_log_probs(model, ids)
+    got = next_token_log_probs(model, ids, chunk=REDUCE_ROWS)
     kl, top1 = agreement(native, got)
     target = ids[0, 1:]
     return WeightFidelity(
