@@ -62,6 +62,40 @@ inline int64_t hsum_i(__m256i v) {
 }
 constexpr int64_t FLUSH = 4096;
 
+// one output row at a time, four sums over consecutive 16-input chunks, the row 1 KB ahead
+// prefetched: the weights read as one stream, for short rows (under LONG_ROW inputs), where
+// four rows at a time make four short streams that the CPU's prefetcher follows poorly
+void rows_i8_one(const int16_t* xq, const float* sx, int64_t R, int64_t in, const int8_t* w,
+                 const float* scale, int64_t o0, int64_t o1, int64_t out, float* y) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* wo = w + o * in;
+    for (int64_t r = 0; r < R; ++r) {
+      const int16_t* xr = xq + r * in;
+      float s = 0;
+      for (int64_t c0 = 0; c0 < in; c0 += FLUSH) {
+        const int64_t c1 = std::min(in, c0 + FLUSH);
+        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+        __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
+        int64_t i = c0;
+#define SFI_MADD(a, j) a = _mm256_add_epi32(a, _mm256_madd_epi16( \
+          widen16(wo + (j)), _mm256_loadu_si256((const __m256i*)(xr + (j)))));
+        for (; i + 64 <= c1; i += 64) {
+          if (r == 0) _mm_prefetch((const char*)(wo + 1024 + i), _MM_HINT_T0);
+          SFI_MADD(a0, i) SFI_MADD(a1, i + 16) SFI_MADD(a2, i + 32) SFI_MADD(a3, i + 48)
+        }
+        for (; i + 16 <= c1; i += 16) SFI_MADD(a0, i)
+#undef SFI_MADD
+        int64_t t = hsum_i(a0) + hsum_i(a1) + hsum_i(a2) + hsum_i(a3);
+        for (; i < c1; ++i) t += (int64_t)wo[i] * xr[i];
+        s += (float)t;
+      }
+      y[r * out + o] = s * sx[r] * scale[o];
+    }
+  }
+}
+
+// long rows (LONG_ROW inputs and more): four output rows at a time over one x load, the same
+// place in the next four rows prefetched; the last out % 4 rows one at a time
 void rows_i8(const int16_t* xq, const float* sx, int64_t R, int64_t in, const int8_t* w,
              const float* scale, int64_t o0, int64_t o1, int64_t out, float* y) {
   int64_t o = o0;
@@ -100,57 +134,7 @@ void rows_i8(const int16_t* xq, const float* sx, int64_t R, int64_t in, const in
       for (int k = 0; k < 4; ++k) yr[k] = s[k] * sx[r] * scale[o + k];
     }
   }
-  for (; o < o1; ++o) {
-    const int8_t* wo = w + o * in;
-    for (int64_t r = 0; r < R; ++r) {
-      const int16_t* xr = xq + r * in;
-      float s = 0;
-      for (int64_t c0 = 0; c0 < in; c0 += FLUSH) {
-        const int64_t c1 = std::min(in, c0 + FLUSH);
-        __m256i a = _mm256_setzero_si256();
-        int64_t i = c0;
-        for (; i + 16 <= c1; i += 16)
-          a = _mm256_add_epi32(a, _mm256_madd_epi16(widen16(wo + i),
-                                                    _mm256_loadu_si256((const __m256i*)(xr + i))));
-        int64_t t = hsum_i(a);
-        for (; i < c1; ++i) t += (int64_t)wo[i] * xr[i];
-        s += (float)t;
-      }
-      y[r * out + o] = s * sx[r] * scale[o];
-    }
-  }
-}
-
-// one output row at a time, four sums over consecutive 16-input chunks, the row 1 KB ahead
-// prefetched: the weights read as one stream, for short rows (under LONG_ROW inputs), where
-// four rows at a time make four short streams that the CPU's prefetcher follows poorly
-void rows_i8_one(const int16_t* xq, const float* sx, int64_t R, int64_t in, const int8_t* w,
-                 const float* scale, int64_t o0, int64_t o1, int64_t out, float* y) {
-  for (int64_t o = o0; o < o1; ++o) {
-    const int8_t* wo = w + o * in;
-    for (int64_t r = 0; r < R; ++r) {
-      const int16_t* xr = xq + r * in;
-      float s = 0;
-      for (int64_t c0 = 0; c0 < in; c0 += FLUSH) {
-        const int64_t c1 = std::min(in, c0 + FLUSH);
-        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-        __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
-        int64_t i = c0;
-#define SFI_MADD(a, j) a = _mm256_add_epi32(a, _mm256_madd_epi16( \
-          widen16(wo + (j)), _mm256_loadu_si256((const __m256i*)(xr + (j)))));
-        for (; i + 64 <= c1; i += 64) {
-          if (r == 0) _mm_prefetch((const char*)(wo + 1024 + i), _MM_HINT_T0);
-          SFI_MADD(a0, i) SFI_MADD(a1, i + 16) SFI_MADD(a2, i + 32) SFI_MADD(a3, i + 48)
-        }
-        for (; i + 16 <= c1; i += 16) SFI_MADD(a0, i)
-#undef SFI_MADD
-        int64_t t = hsum_i(a0) + hsum_i(a1) + hsum_i(a2) + hsum_i(a3);
-        for (; i < c1; ++i) t += (int64_t)wo[i] * xr[i];
-        s += (float)t;
-      }
-      y[r * out + o] = s * sx[r] * scale[o];
-    }
-  }
+  rows_i8_one(xq, sx, R, in, w, scale, o, o1, out, y);  // the last rows
 }
 
 constexpr int64_t LONG_ROW = 2048;
