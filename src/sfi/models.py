@@ -26,8 +26,8 @@ import torch
 from sfi.cache_folder import cache_root
 from sfi.errors import ModelNotFoundError, SFIError
 from sfi.notices import notice_once
-from sfi.weight_choice import AUTO, check_ids, choose_weights
-from sfi.weight_layout import WEIGHT_FORMATS, prefer_decode_layout
+from sfi.weight_choice import AUTO, WEIGHT_CHOICES, check_ids, choose_weights
+from sfi.weight_layout import prefer_decode_layout
 
 CONVERTED_MARKER = "sfi-converted.json"
 #: the weight formats whose decode steps are compiled unless ``compile=False``: their
@@ -240,9 +240,8 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
             on a CPU, ``bf16`` (x86), ``fp16`` (large weights in float16, for batch 1) or
             ``int8`` (AVX-512, or AVX2 with sfi's kernel) for the linear layers (faster, not
             exact: ``sfi bench --weights native,fp16,int8`` measures speed and fidelity
-            against ``native``;
-            ``sfi.weight_layout``). The format in use is ``model.sfi_weights``; what ``auto``
-            read to choose it, ``model.sfi_weight_choice``
+            against ``native``; ``sfi.weight_layout``). The format in use is
+            ``model.sfi_weights``; what ``auto`` read to choose it, ``model.sfi_weight_choice``
             (:class:`sfi.weight_choice.WeightChoice`).
         compile: compile the model's one-token decode steps with ``torch.compile``
             (:func:`sfi.compiled.compile_decode`: the first steps of a process take 10-90 s
@@ -262,14 +261,14 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     device = torch.device(device) if device is not None else default_device()
     if batch < 1:
         raise SFIError(f"batch must be at least 1, got {batch}")
-    if weights not in (AUTO, *WEIGHT_FORMATS):
+    if weights not in WEIGHT_CHOICES:
         raise SFIError(f"unknown weight format {weights!r}; choose one of "
-                       f"{', '.join((AUTO, *WEIGHT_FORMATS))}")
-    if weights == AUTO and (device.type != "cpu" or not decode_layout):
+                       f"{', '.join(WEIGHT_CHOICES)}")
+    if device.type != "cpu" or not decode_layout:  # the formats are CPU decode layouts
+        if weights not in (AUTO, "native"):
+            raise SFIError(f"weights={weights!r} is a CPU decode layout; it needs device='cpu' "
+                           "and decode_layout=True")
         weights = "native"
-    if weights not in (AUTO, "native") and (device.type != "cpu" or not decode_layout):
-        raise SFIError(f"weights={weights!r} is a CPU decode layout; it needs device='cpu' and "
-                       "decode_layout=True")
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     try:

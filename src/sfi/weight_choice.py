@@ -35,10 +35,17 @@ from sfi.cache_folder import cache_root
 from sfi.errors import SFIError
 from sfi.int8_linear import int8_runs_fast
 from sfi.texts import ESSAYS_HINT
-from sfi.weight_layout import format_byte_saving, format_runs, prefer_decode_layout
+from sfi.weight_layout import (
+    WEIGHT_FORMATS,
+    format_byte_saving,
+    format_runs,
+    prefer_decode_layout,
+)
 
 #: the value of ``weights`` that asks for this module's choice
 AUTO = "auto"
+#: what ``sfi.load(weights=...)`` and ``--weights`` take
+WEIGHT_CHOICES = (AUTO, *WEIGHT_FORMATS)
 #: the largest mean KL(native || format) a format may have and be chosen
 MAX_KL = 0.01
 #: the smallest top-1 agreement with the native weights a format may have and be chosen
@@ -110,11 +117,6 @@ class WeightChoice:
         said = f"; {'; '.join(reasons)}" if reasons else ""
         return (f"weights auto -> {self.format} on this {self.capability} CPU at batch "
                 f"{self.batch}{checked}{said}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "capability": self.capability, "batch": self.batch,
-                "verdicts": [asdict(v) for v in self.verdicts],
-                "passed_over": dict(self.passed_over)}
 
 
 def choose_weights(model: torch.nn.Module, ids: torch.Tensor | None, *, key: str,

@@ -66,10 +66,9 @@ def compile_seconds(model: Any) -> float | None:
 
 def one_format(weights: str) -> str:
     """The one weight format ``--weights`` names (a clear error otherwise)."""
-    from sfi.weight_choice import AUTO
-    from sfi.weight_layout import WEIGHT_FORMATS
+    from sfi.weight_choice import WEIGHT_CHOICES
 
-    formats = name_list("--weights", weights, (AUTO, *WEIGHT_FORMATS))
+    formats = name_list("--weights", weights, WEIGHT_CHOICES)
     if len(formats) != 1:
         raise SFIError(f"--weights takes one format here, got {weights!r}")
     return formats[0]
