@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from sfi import SFIConfig, SlowFastCache
-from sfi.hf import cache_argument
+from sfi.hf.facts import cache_argument
 
 ATOL, RTOL = 2e-3, 1e-3
 

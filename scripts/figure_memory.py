@@ -18,15 +18,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from sfi.config import SFIConfig
-from sfi.decode import continue_greedy
-from sfi.demo import DEMO_SEED
+from sfi.cli.demo import DEMO_SEED
+from sfi.core.config import SFIConfig
+from sfi.decoding.decode import continue_greedy
+from sfi.decoding.prefill import PREFILL_CHUNK, prefill
 from sfi.eval.tasks import make_sample
-from sfi.hf import eos_token_ids
-from sfi.methods import build_cache
+from sfi.hf.facts import eos_token_ids
+from sfi.hf.methods import build_cache
+from sfi.hf.slab import SlabLayer
 from sfi.models import load
-from sfi.prefill import PREFILL_CHUNK, prefill
-from sfi.slab import SlabLayer
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/img/memory.png")
 model, tokenizer = load("default", weights="native")

@@ -44,17 +44,17 @@ import torch.nn.functional as F
 
 import sfi
 from sfi.bench.throughput import benchmark_ids
-from sfi.decode_cache import FullCache
-from sfi.decode_step import decode_one
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prefix import SharedPrefill, prefix_kv
 from sfi.eval.fidelity import agreement, teacher_forced_logits
 from sfi.eval.runner import WINDOW
 from sfi.eval.tasks import make_sample
-from sfi.hf import cache_argument
-from sfi.methods import build_cache, parse_method
-from sfi.plan import DENSE_STEP, VERIFY
-from sfi.prefill import prefill
-from sfi.prefix import SharedPrefill, prefix_kv
-from sfi.slowfast_cache import SlowFastCache
+from sfi.hf.decode_cache import FullCache
+from sfi.hf.facts import cache_argument
+from sfi.hf.methods import build_cache, parse_method
+from sfi.hf.plan import DENSE_STEP, VERIFY
+from sfi.hf.slowfast_cache import SlowFastCache
 
 VARIANTS = ("none", "slow", "every")
 

@@ -1,7 +1,7 @@
 """The fast step with the old CPU weight layout against packed oneDNN weights, in one process.
 
 Run as ``.venv/bin/python scripts/layout_ab.py``: loads the default model four times,
-alternating the old layout (MKL, wide weights stored transposed) and ``sfi.weight_layout``'s packed
+alternating the old layout (MKL, wide weights stored transposed) and ``sfi.weights.layout``'s packed
 layers, and times ``sfi-fast-only`` (synthetic KV, 32 steps) at 4K and 16K, batch 1 and 4.
 Prints one line per load, then the whole result as JSON (``docs/eval/layout-ab.json``).
 """
@@ -10,9 +10,10 @@ import json
 
 import torch
 
-from sfi import SFIConfig, weight_layout
+from sfi import SFIConfig
 from sfi.bench.throughput import run_bench
 from sfi.models import load
+from sfi.weights import layout as weight_layout
 
 torch.set_num_threads(2)
 result = {}

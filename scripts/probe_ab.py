@@ -17,11 +17,11 @@ from dataclasses import replace
 import torch
 
 from sfi.bench.throughput import benchmark_ids, make_bench_cache
-from sfi.config import SFIConfig
-from sfi.decode_step import decode_one
+from sfi.core.config import SFIConfig
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prefix import prefix_kv
 from sfi.models import load
-from sfi.prefill import prefill
-from sfi.prefix import prefix_kv
 
 torch.set_num_threads(2)
 args = sys.argv[1:] + ["16384", "1", "12", "default", "native"][len(sys.argv) - 1:]

@@ -24,9 +24,9 @@ import torch
 
 import sfi
 from sfi.bench.throughput import benchmark_ids, make_bench_cache, timed_steps
-from sfi.config import SFIConfig
-from sfi.prefill import prefill
-from sfi.prefix import prefix_kv
+from sfi.core.config import SFIConfig
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prefix import prefix_kv
 
 
 def main() -> None:

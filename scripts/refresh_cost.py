@@ -30,10 +30,10 @@ SFI = dict(trigger="fixed", period=2, coverage_layers=0)
 def own_engine(context: int, batch: int, steps: int) -> None:
     import sfi
     from sfi.bench.throughput import benchmark_ids, make_bench_cache
-    from sfi.config import SFIConfig
-    from sfi.decode_step import decode_one
-    from sfi.prefill import prefill
-    from sfi.prefix import prefix_kv
+    from sfi.core.config import SFIConfig
+    from sfi.decoding.decode_step import decode_one
+    from sfi.decoding.prefill import prefill
+    from sfi.decoding.prefix import prefix_kv
 
     model, tokenizer = sfi.load("default", weights="native")
     config = SFIConfig(**SFI)

@@ -22,13 +22,14 @@ from dataclasses import replace
 import torch
 
 import sfi
-from sfi import layer_attention, refresh_selection
 from sfi.bench.throughput import benchmark_ids, make_bench_cache
-from sfi.config import SFIConfig
-from sfi.decode_step import decode_one
-from sfi.prefill import prefill
-from sfi.prefix import prefix_kv
-from sfi.selector import SFISelector
+from sfi.core import refresh_selection
+from sfi.core.config import SFIConfig
+from sfi.core.selector import SFISelector
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prefix import prefix_kv
+from sfi.hf import layer_attention
 
 spent: dict[str, float] = {}
 

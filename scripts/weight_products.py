@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import torch
 
-from sfi import int8_kernel
 from sfi.bench.throughput import measure_bandwidth
-from sfi.fp16_linear import fp16_product
-from sfi.int8_linear import int8_product, quantize_rows
-from sfi.reduction import compiled_for_shape
-from sfi.weight_layout import PackedLinear
+from sfi.weights import int8_kernel
+from sfi.weights.fp16_linear import fp16_product
+from sfi.weights.int8_linear import int8_product, quantize_rows
+from sfi.weights.layout import PackedLinear
+from sfi.weights.reduction import compiled_for_shape
 
 SHAPES = [(4864, 896), (896, 4864), (151936, 896)]  # MLP up, MLP down, output layer
 

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from sfi import SFIConfig, SlowFastCache
-from sfi.hf import cache_argument
+from sfi.hf.facts import cache_argument
 
 
 @dataclass

@@ -10,15 +10,15 @@ import torch
 from conftest import tiny_model
 
 from sfi import SFIConfig
+from sfi.core.scorers import Evidence
+from sfi.core.scorers.h2o import H2OScorer
+from sfi.core.scorers.quest import QuestScorer
+from sfi.core.scorers.recency import RecencyScorer
+from sfi.core.scorers.registry import make_scorer
 from sfi.errors import SFIError
-from sfi.eviction import EvictionCache, make_policy
-from sfi.eviction.policies import H2O, TOVA, PyramidKV, Quest, SnapKV, StreamingLLM
-from sfi.hf import cache_argument
-from sfi.scorers import Evidence
-from sfi.scorers.h2o import H2OScorer
-from sfi.scorers.quest import QuestScorer
-from sfi.scorers.recency import RecencyScorer
-from sfi.scorers.registry import make_scorer
+from sfi.hf.eviction import EvictionCache, make_policy
+from sfi.hf.eviction.policies import H2O, TOVA, PyramidKV, Quest, SnapKV, StreamingLLM
+from sfi.hf.facts import cache_argument
 
 gen = torch.Generator().manual_seed(0)
 

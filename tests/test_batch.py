@@ -11,7 +11,7 @@ from helpers import lockstep
 
 import sfi
 from sfi import SFIConfig
-from sfi.slab import SlabLayer
+from sfi.hf.slab import SlabLayer
 
 CONFIG = dict(sink=3, recent=8, k_head=10, force_sparse=True)
 
@@ -110,7 +110,7 @@ def test_pages_start_at_each_sequence_so_padding_changes_nothing(scorer):
     probes' summaries). A row padded by 25 positions (not a multiple of the 16-token page)
     must be cut into the pages it gets alone: every step's logits, the selection and the
     coverage refreshes equal those of the row decoded alone."""
-    from sfi.scorers.registry import make_scorer
+    from sfi.core.scorers.registry import make_scorer
 
     model = tiny_model("llama")
     g = torch.Generator().manual_seed(9)
@@ -136,8 +136,8 @@ def _alone(model, prompt, batch, row, config, scorer=None):
     """Decode ``prompt`` alone, feeding the tokens the batch fed to ``row``; its random trigger
     is seeded like the batch's row ``row``."""
     from sfi import SlowFastCache
-    from sfi.hf import cache_argument
-    from sfi.triggers import make_trigger
+    from sfi.core.triggers import make_trigger
+    from sfi.hf.facts import cache_argument
 
     cache = SlowFastCache(model, config, scorer=scorer,
                           trigger_factory=lambda cfg, _: make_trigger(cfg, None, row))

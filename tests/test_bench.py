@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 from test_cli import run_cli_here
 
-from sfi import SFIConfig, SFIError, weight_layout
+from sfi import SFIConfig, SFIError
 from sfi import load as sfi_load
 from sfi.bench.formats import run_weight_formats
 from sfi.bench.plots import exact_points
@@ -24,7 +24,8 @@ from sfi.bench.throughput import (
     weight_bytes,
 )
 from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
-from sfi.weight_layout import PackedLinear, prefer_decode_layout
+from sfi.weights import layout as weight_layout
+from sfi.weights.layout import PackedLinear, prefer_decode_layout
 
 ROW_FIELDS = {"mode", "context", "batch", "decode_tok_s", "fast_step_ms", "slow_step_ms",
               "slow_fraction", "fast_fraction", "speedup_vs_full", "floor_ms"}
@@ -85,7 +86,7 @@ def test_bench_reads_a_kept_prefill_back(tmp_path, smol_tokenizer, monkeypatch):
     def no_prefill(*args, **kwargs):
         raise AssertionError("the kept prefill was computed again")
 
-    monkeypatch.setattr("sfi.prefix.prefix_kv", no_prefill)
+    monkeypatch.setattr("sfi.decoding.prefix.prefix_kv", no_prefill)
     again = run_bench(model, smol_tokenizer, **bench)
     assert again["rows"][0]["mode"] == first["rows"][0]["mode"] == "full"
 
@@ -123,7 +124,7 @@ def test_the_floor_decides_sparse_with_the_engines_weights_term():
     sparse, which ``min_gain`` decides with the model's weights (W): at a context where the
     KV alone would pay but W + T does not, the floor is the dense step's."""
     from sfi.bench.throughput import _floor_ms
-    from sfi.weight_layout import stored_weight_positions
+    from sfi.weights.layout import stored_weight_positions
 
     model = tiny_model("qwen2")
     w = stored_weight_positions(model)
@@ -348,7 +349,7 @@ def test_llama_cpp_rows_run_each_flash_attention_setting_and_say_which(tmp_path,
 
 def test_step_rates_count_the_rows_decode_steps():
     from sfi.bench.throughput import step_rates
-    from sfi.decode_stats import DecodeStats
+    from sfi.core.decode_stats import DecodeStats
 
     stats = DecodeStats(fast_steps=5, slow_steps=2, dense_steps=1)
     stats.refresh_reasons.update(coverage=1, sentence=1)

@@ -9,8 +9,8 @@ from helpers import lockstep
 from transformers import DynamicCache
 
 from sfi import SFIConfig, SlowFastCache
-from sfi.hf import cache_argument
-from sfi.slab import SlabLayer
+from sfi.hf.facts import cache_argument
+from sfi.hf.slab import SlabLayer
 
 
 def _layers(cache):

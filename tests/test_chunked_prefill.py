@@ -13,11 +13,11 @@ import torch
 from serverkit import CONFIG, Server
 
 import sfi
-from sfi.decode_step import decode_one
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.prefill import prefill, prompt_chunks
 from sfi.errors import SFIError
-from sfi.methods import build_cache
-from sfi.prefill import prefill, prompt_chunks
-from sfi.slowfast_cache import SlowFastCache
+from sfi.hf.methods import build_cache
+from sfi.hf.slowfast_cache import SlowFastCache
 
 
 @pytest.mark.parametrize("length, chunk, window", [

@@ -111,7 +111,7 @@ def test_serve_refuses_bad_limits_before_loading_the_model(args, message):
 
 @pytest.mark.parametrize("batch, said", [("8", True), ("1", False)])
 def test_serve_says_fp16_weights_are_a_batch_one_format(batch, said):
-    from sfi.fp16_linear import BATCH_ONE
+    from sfi.weights.fp16_linear import BATCH_ONE
 
     result = run_cli_here("serve", "--model", "no-such-model", "--weights", "fp16",
                           "--max-batch", batch)
@@ -363,8 +363,8 @@ def test_every_command_quoted_in_the_docs_names_real_options():
 def test_the_demos_default_seed_is_the_demos_own():
     import inspect
 
+    from sfi.cli.demo import DEMO_SEED
     from sfi.cli.generate import demo_cmd
-    from sfi.demo import DEMO_SEED
 
     assert inspect.signature(demo_cmd).parameters["seed"].default == DEMO_SEED
 

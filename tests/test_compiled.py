@@ -1,4 +1,4 @@
-"""The compiled decode step (``sfi.compiled``): a compiled step computes what the eager one
+"""The compiled decode step (``sfi.decoding.compiled``): a compiled step computes what the eager one
 does, for SFI's slow, fast and dense steps and for the dense baselines; compiling is undone
 cleanly; only one-token steps are compiled."""
 
@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfi import SFIConfig, weight_layout
-from sfi.compiled import compile_decode, compiled_forward, eager_decode
-from sfi.decode_step import decode_one, extended_mask
-from sfi.methods import build_cache
-from sfi.prefill import prefill
+from sfi import SFIConfig
+from sfi.decoding.compiled import compile_decode, compiled_forward, eager_decode
+from sfi.decoding.decode_step import decode_one, extended_mask
+from sfi.decoding.prefill import prefill
+from sfi.hf.methods import build_cache
+from sfi.weights import layout as weight_layout
 
 STEPS = 12
 

@@ -8,7 +8,7 @@ from conftest import tiny_model
 
 from sfi import SFIConfig, SlowFastCache
 from sfi.errors import SFIError
-from sfi.hf import cache_argument
+from sfi.hf.facts import cache_argument
 
 CONFIG = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed", period=3)
 
@@ -97,7 +97,7 @@ def test_leaving_trims_shared_padding():
 def test_each_sequence_keeps_its_own_config_and_scorer_in_a_merged_batch():
     """Sink, recent window, budget, evidence window, trigger period and scorer all differ
     between the two sequences; merged, each still gets the logits it gets alone."""
-    from sfi.scorers.registry import make_scorer
+    from sfi.core.scorers.registry import make_scorer
 
     model = tiny_model("llama")
     g = torch.Generator().manual_seed(11)
@@ -144,7 +144,7 @@ def test_a_slow_row_refreshes_only_at_the_layers_it_reads_sparsely(monkeypatch):
     """Merged with a row whose config keeps no layer dense, a row that keeps its first layer
     dense refreshes its memory at the other layers only (its compact buffer at layer 0 is
     never read) and is probed there only, and each row still gets its lone logits."""
-    from sfi.layer_attention import SlowFastAttention
+    from sfi.hf.layer_attention import SlowFastAttention
 
     model = tiny_model("llama")
     g = torch.Generator().manual_seed(13)

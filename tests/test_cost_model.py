@@ -10,9 +10,9 @@ from conftest import tiny_model
 from helpers import lockstep
 
 from sfi import SFIConfig
-from sfi.config import SFIConfigError
-from sfi.decode import GenerateResult, Timing
-from sfi.decode_stats import DecodeStats
+from sfi.core.config import SFIConfigError
+from sfi.core.decode_stats import DecodeStats
+from sfi.decoding.decode import GenerateResult, Timing
 
 
 def test_sparse_reads_start_where_a_fast_step_skips_min_skip_entries():
@@ -56,7 +56,7 @@ def test_the_weights_are_counted_from_the_config_as_the_model_holds_them():
     from conftest import ARCHS
 
     from sfi.bench.throughput import kv_bytes_per_entry, weight_bytes
-    from sfi.cost_model import weight_positions
+    from sfi.core.cost_model import weight_positions
 
     for arch in ARCHS:
         model = tiny_model(arch)
@@ -73,7 +73,7 @@ def test_the_weights_are_counted_from_the_config_as_the_model_holds_them():
 
 def test_a_cache_turns_sparse_where_the_models_weights_say_it_pays():
     """SlowFastCache weighs the model it routes: dense steps until ``sparse_from(W)``."""
-    from sfi.cost_model import weight_positions
+    from sfi.core.cost_model import weight_positions
 
     model = tiny_model("llama")
     weights = weight_positions(model.config)  # 800
@@ -136,7 +136,7 @@ def test_each_row_turns_sparse_at_its_own_break_even_in_a_batch_as_alone():
 
 def test_generate_says_why_its_steps_were_dense():
     from sfi.cli.generate import _summary
-    from sfi.cost_model import dense_reason
+    from sfi.core.cost_model import dense_reason
 
     config = SFIConfig(sink=4, recent=16, k_head=32)
     assert "shorter than 1,588 tokens" in dense_reason(config)
@@ -159,10 +159,10 @@ def test_both_engines_serve_the_layers_without_a_window():
     there, and the vLLM plugin's book places its probes among them."""
     from types import SimpleNamespace
 
-    from sfi.cache_layers import build_layers
-    from sfi.cost_model import slow_fast_layers
-    from sfi.scorers.registry import make_scorer
-    from sfi.slab import SlabLayer
+    from sfi.core.cost_model import slow_fast_layers
+    from sfi.core.scorers.registry import make_scorer
+    from sfi.hf.cache_layers import build_layers
+    from sfi.hf.slab import SlabLayer
     from sfi.vllm.requests import RequestBook, slot_capacity
 
     kinds = ["sliding_attention", "full_attention"] * 4  # Gemma 2's alternation

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sfi.config import SFIConfig
-from sfi.config_doc import field_docs, reference
+from sfi.core.config import SFIConfig
+from sfi.core.config_doc import field_docs, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_every_config_field_has_a_doc():
 def test_configuration_page_is_generated_from_the_field_docs():
     page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert page == reference(), (
-        "docs/configuration.md is stale: run python -m sfi.config_doc docs/configuration.md")
+        "docs/configuration.md is stale: run python -m sfi.core.config_doc docs/configuration.md")
 
 
 def test_reference_marks_where_the_presets_differ():
@@ -38,7 +38,7 @@ def test_reference_marks_where_the_presets_differ():
 
 
 def test_an_undocumented_field_is_refused(monkeypatch):
-    import sfi.config_doc as config_doc
+    import sfi.core.config_doc as config_doc
 
     monkeypatch.setattr(config_doc, "field_docs", lambda cls=SFIConfig: {"sink": "S sinks."})
     with pytest.raises(ValueError, match="has no docstring"):

@@ -9,7 +9,7 @@ from helpers import lockstep
 
 import sfi
 from sfi import SFIConfig
-from sfi.hf import cache_argument
+from sfi.hf.facts import cache_argument
 
 FULL_BUDGET = dict(sink=4, recent=8, k_head=4096, force_sparse=True)
 
@@ -100,7 +100,7 @@ def test_gemma2_sliding_layers_stay_dense_and_full_layers_match():
     from transformers import AutoModelForCausalLM, Gemma2Config
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from sfi.slab import SlabLayer
+    from sfi.hf.slab import SlabLayer
 
     torch.manual_seed(0)
     config = Gemma2Config(vocab_size=256, hidden_size=96, intermediate_size=128,

@@ -14,7 +14,7 @@ from sfi import (
     SFIError,
     UnsupportedModelError,
 )
-from sfi.hf import cache_argument
+from sfi.hf.facts import cache_argument
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -10,17 +10,17 @@ import torch
 from conftest import tiny_model
 from test_cli import run_cli, run_cli_here
 
-from sfi.config import SFIConfig
+from sfi.core.config import SFIConfig
+from sfi.core.triggers import REFRESH_REASONS
+from sfi.decoding.prefix import SharedPrefill
 from sfi.errors import SFIError
 from sfi.eval.figures import plot_all
 from sfi.eval.report import markdown, merge_results, summarize
 from sfi.eval.runner import greedy_continue, parse_runs, run_eval
 from sfi.eval.stability import jaccard, support_stability
 from sfi.eval.tasks import make_sample
-from sfi.eviction import EvictionCache
-from sfi.methods import budget_tokens, build_cache, parse_method, sfi_config_for
-from sfi.prefix import SharedPrefill
-from sfi.triggers import REFRESH_REASONS
+from sfi.hf.eviction import EvictionCache
+from sfi.hf.methods import budget_tokens, build_cache, parse_method, sfi_config_for
 
 ROW_KEYS = {"task", "context", "prompt_tokens", "method", "budget", "capacity", "retention",
             "score", "sample"}
@@ -277,8 +277,8 @@ def test_a_stored_prefill_is_read_back_and_continues_the_same(tiny_llama_with_to
 def test_each_weight_format_keeps_its_own_prefill(other):
     from conftest import tiny_model
 
-    from sfi.prefix import prefill_key
-    from sfi.weight_layout import format_runs, prefer_decode_layout
+    from sfi.decoding.prefix import prefill_key
+    from sfi.weights.layout import format_runs, prefer_decode_layout
 
     if not (format_runs("native", torch.float32) and format_runs(other, torch.float32)):
         pytest.skip(f"{other} does not run on this CPU")
@@ -392,7 +392,7 @@ def test_held_at_answer_reads_the_step_that_writes_the_answer(smol_tokenizer):
 
 @pytest.mark.model
 def test_demo_answers_from_one_prefill_both_ways(default_model):
-    from sfi.demo import run_demo
+    from sfi.cli.demo import run_demo
 
     model, tok = default_model
     prefilled = []
@@ -420,7 +420,7 @@ def test_demo_answers_from_one_prefill_both_ways(default_model):
 
 
 def test_shared_length_leaves_each_prompt_its_window():
-    from sfi.demo import _shared_length
+    from sfi.cli.demo import _shared_length
 
     assert _shared_length([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9], window=2) == 3
     assert _shared_length([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7], window=2) == 4
@@ -429,7 +429,7 @@ def test_shared_length_leaves_each_prompt_its_window():
 
 
 def test_the_repetition_guard_bans_what_would_repeat_an_ngram_of_the_answer():
-    from sfi.decode_step import repeated_ngram_tokens
+    from sfi.decoding.decode_step import repeated_ngram_tokens
 
     tokens = [1, 2, 3, 9, 1, 2]
     assert repeated_ngram_tokens(tokens, 3) == [3]  # 1 2 3 is there: 3 may not follow 1 2

@@ -1,4 +1,4 @@
-"""Exact mode (``sfi.exact``): fast steps draft, dense forwards verify.
+"""Exact mode (``sfi.decoding.exact``): fast steps draft, dense forwards verify.
 
 What must hold: greedy tokens equal full attention's; the cache after every verify holds
 full attention's KV for every committed position and nothing of a draft; sampled tokens are
@@ -16,13 +16,13 @@ from transformers import DynamicCache
 
 import sfi
 from sfi import SFIConfig, SlowFastCache
-from sfi.decode_step import Sampling, token_distribution
-from sfi.draft_length import DraftLength, ForwardCost, expected_tokens
-from sfi.exact import ExactDecoder, greedy_verdict, speculative_verdict
-from sfi.hf import cache_argument
-from sfi.prefill import prefill
-from sfi.prompts import encode_prompts
-from sfi.sequence_policy import DraftAcceptance
+from sfi.core.draft_length import DraftLength, ForwardCost, expected_tokens
+from sfi.core.sequence_policy import DraftAcceptance
+from sfi.decoding.decode_step import Sampling, token_distribution
+from sfi.decoding.exact import ExactDecoder, greedy_verdict, speculative_verdict
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prompts import encode_prompts
+from sfi.hf.facts import cache_argument
 from sfi.texts import essay
 
 # a small memory, so that drafts depart from full attention and are rejected
@@ -381,7 +381,7 @@ def _sparse_law(model, prompt, v, config, temperature):
         prefill(model, cache, prompt.expand(rows, -1))
         t1 = torch.arange(v).repeat_interleave(v)
         t2 = torch.arange(v).repeat(v)
-        from sfi.decode_step import decode_one
+        from sfi.decoding.decode_step import decode_one
 
         l2 = decode_one(model, cache, t1, torch.full((rows,), 40))
         l3 = decode_one(model, cache, t2, torch.full((rows,), 41))
@@ -391,8 +391,8 @@ def _sparse_law(model, prompt, v, config, temperature):
 
 
 def test_committed_inputs_walk_the_trigger_and_a_rejected_first_draft_refreshes():
-    from sfi.sequence_policy import ACCEPTANCE, Memory, SequenceState, record_verified
-    from sfi.triggers import FixedPeriodTrigger
+    from sfi.core.sequence_policy import ACCEPTANCE, Memory, SequenceState, record_verified
+    from sfi.core.triggers import FixedPeriodTrigger
 
     seq = SequenceState(pad=0, config=SFIConfig(min_refresh_gap=2),
                         trigger=FixedPeriodTrigger(4), scorer=None)

@@ -1,5 +1,5 @@
-"""float16 weights (``sfi.fp16_linear``): the compiled product in both stored forms, at a few
-rows and at many, AVX2's code path, the model-wide layout, and a compiled step equal to the
+"""float16 weights (``sfi.weights.fp16_linear``): the compiled product in both stored forms, at a
+few rows and at many, AVX2's code path, the model-wide layout, and a compiled step equal to the
 eager one on these weights."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from conftest import tied_tiny_qwen2
 
-from sfi import fp16_linear, reduction, weight_layout
-from sfi.fp16_linear import Fp16Linear, fp16_product, worth_storing
-from sfi.weight_layout import prefer_decode_layout, weight_byte_ratio
+from sfi.weights import fp16_linear, reduction
+from sfi.weights import layout as weight_layout
+from sfi.weights.fp16_linear import Fp16Linear, fp16_product, worth_storing
+from sfi.weights.layout import prefer_decode_layout, weight_byte_ratio
 
 needs_fp16 = pytest.mark.skipif(not weight_layout.format_runs("fp16", torch.float32),
                                 reason="fp16 needs inductor with a C++ compiler")
@@ -95,7 +96,7 @@ def test_a_compiled_step_on_fp16_weights_equals_the_eager_one(tiny_llama_with_to
     from test_compiled import STEPS, _decode
 
     from sfi import SFIConfig
-    from sfi.compiled import compile_decode, eager_decode
+    from sfi.decoding.compiled import compile_decode, eager_decode
 
     model, tokenizer = tiny_llama_with_tokenizer
     monkeypatch.setattr(fp16_linear, "MIN_ELEMENTS", 1)  # every layer

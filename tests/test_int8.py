@@ -1,5 +1,5 @@
-"""int8 weights (``sfi.int8_linear``): the quantization, the compiled product at a few rows and
-the blocked product at many, AVX2's code path, and the model-wide layout."""
+"""int8 weights (``sfi.weights.int8_linear``): the quantization, the compiled product at a few rows
+and the blocked product at many, AVX2's code path, and the model-wide layout."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from conftest import tied_tiny_qwen2, tiny_model
 
-from sfi import int8_kernel, int8_linear, reduction, weight_layout
-from sfi.int8_linear import Int8Linear, int8_product, quantize_rows
-from sfi.weight_layout import prefer_decode_layout, weight_byte_ratio
+from sfi.weights import int8_kernel, int8_linear, reduction
+from sfi.weights import layout as weight_layout
+from sfi.weights.int8_linear import Int8Linear, int8_product, quantize_rows
+from sfi.weights.layout import prefer_decode_layout, weight_byte_ratio
 
 needs_int8 = pytest.mark.skipif(not weight_layout.format_runs("int8", torch.float32),
                                 reason="int8 needs inductor with a C++ compiler")

@@ -1,5 +1,5 @@
-"""sfi's AVX2 int8 kernel (``sfi.int8_kernel``) agrees with its PyTorch reference, eagerly and
-inside a compiled function, and ``Int8Linear`` gives the same products with it as with the
+"""sfi's AVX2 int8 kernel (``sfi.weights.int8_kernel``) agrees with its PyTorch reference, eagerly
+and inside a compiled function, and ``Int8Linear`` gives the same products with it as with the
 compiled reduction."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfi import int8_kernel
-from sfi.int8_linear import Int8Linear
+from sfi.weights import int8_kernel
+from sfi.weights.int8_linear import Int8Linear
 
 needs_kernel = pytest.mark.skipif(not int8_kernel.available(),
                                   reason="the kernel does not build or run on this machine")

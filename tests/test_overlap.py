@@ -9,8 +9,8 @@ import torch
 from conftest import tiny_model
 
 from sfi import SFIConfig, SlowFastCache
-from sfi.hf import cache_argument
-from sfi.overlap import InlineRebuilder, StackingRebuilder, StagedCompact, make_rebuilder
+from sfi.core.overlap import InlineRebuilder, StackingRebuilder, StagedCompact, make_rebuilder
+from sfi.hf.facts import cache_argument
 
 
 class DeferredRebuilder:
@@ -140,11 +140,11 @@ def test_a_stacked_refresh_frees_its_memory_once_dropped():
     import gc
     import weakref
 
-    from sfi.overlap import Refresh
-    from sfi.refresh_selection import SelectionGroup, SelectionRule
-    from sfi.rows import Rows
-    from sfi.scorers import make_evidence
-    from sfi.scorers.registry import make_scorer
+    from sfi.core.overlap import Refresh
+    from sfi.core.refresh_selection import SelectionGroup, SelectionRule
+    from sfi.core.rows import Rows
+    from sfi.core.scorers import make_evidence
+    from sfi.core.scorers.registry import make_scorer
 
     n, h, t = 1, 2, 32
     evidence = make_evidence(torch.randn(n, h, 1, t), 0, torch.tensor([2]), torch.tensor([24]),

@@ -10,7 +10,7 @@ import torch
 
 import sfi
 from sfi import PromptError, SFIConfig
-from sfi.prompts import encode_prompts
+from sfi.decoding.prompts import encode_prompts
 
 QUESTION = "Name three colours of the sea. The sky is blue and the sea is calm."
 
@@ -95,7 +95,7 @@ def test_k_fraction_alone_is_the_budget():
         SFIConfig(k_head=2048, k_fraction=0.15)
     assert SFIConfig().replace(k_fraction=0.1).k_head is None  # dataclasses.replace refuses
     assert SFIConfig(k_fraction=0.1).replace(k_head=512).k_fraction is None
-    from sfi.methods import parse_method
+    from sfi.hf.methods import parse_method
 
     assert parse_method("sfi[k_fraction=0.1]").sfi_config().budget(1000) == 100
 

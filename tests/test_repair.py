@@ -14,9 +14,10 @@ from transformers import DynamicCache
 
 import sfi
 from sfi import SFIConfig, SlowFastCache
-from sfi.decode_step import decode_one
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.exact import ExactDecoder
 from sfi.errors import SFIError
-from sfi.hf import cache_argument
+from sfi.hf.facts import cache_argument
 
 SPARSE = dict(sink=2, recent=4, k_head=4, force_sparse=True, trigger="fixed", period=5,
               coverage_layers=0)
@@ -172,7 +173,7 @@ def test_repairs_are_refused_where_they_cannot_run():
     model = tiny_model("llama")
     cache = SlowFastCache(model, SFIConfig(trigger="fixed", repair_tokens=8))
     with pytest.raises(SFIError, match="exact mode's verify writes full attention's KV"):
-        sfi.exact.ExactDecoder(model, cache)
+        ExactDecoder(model, cache)
     cache.close()
     with pytest.raises(sfi.SFIConfigError, match="repair_tokens must be"):
         SFIConfig(repair_tokens=-1)
@@ -207,8 +208,8 @@ def test_a_slow_row_refreshes_at_its_own_sparse_layers_whatever_other_rows_read(
     ``dense_layers``, even where a fast row of the batch with more dense layers reads densely."""
     from types import SimpleNamespace
 
-    from sfi.plan import REPAIR, StepPlan
-    from sfi.sequence_policy import FAST, SLOW
+    from sfi.core.sequence_policy import FAST, SLOW
+    from sfi.hf.plan import REPAIR, StepPlan
 
     plan = StepPlan(query_length=4, total_length=100, decode=True, kinds=(SLOW, FAST),
                     reasons=("sentence", None), tokens=(1, 2), dense=None,

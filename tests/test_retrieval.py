@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import sfi
+from sfi.decoding.prefix import SharedPrefill
 from sfi.eval.runner import greedy_continue
 from sfi.eval.tasks import make_sample, score
-from sfi.hf import eos_token_ids
-from sfi.methods import build_cache
-from sfi.prefix import SharedPrefill
+from sfi.hf.facts import eos_token_ids
+from sfi.hf.methods import build_cache
 
 # (task, seed) on which full attention answers at 2K tokens
 CASES = [("passkey", 0), ("niah", 1), ("niah_multikey", 2), ("niah_multivalue", 0), ("vt", 1)]

@@ -12,9 +12,10 @@ from transformers import DynamicCache
 
 import sfi
 from sfi import SFIConfig, SlowFastCache
-from sfi.context import current_step
 from sfi.errors import SFIError
-from sfi.hf import cache_argument, routed
+from sfi.hf.context import current_step
+from sfi.hf.facts import cache_argument
+from sfi.hf.routing import routed
 
 CONFIG = SFIConfig(sink=2, recent=6, k_head=8, force_sparse=True, trigger="fixed", period=3)
 

@@ -8,10 +8,10 @@ from conftest import tiny_model
 from helpers import lockstep
 
 from sfi import SFIConfig, SFIError
-from sfi.scorers import Evidence, key_norms_of, make_evidence
-from sfi.scorers.registry import make_scorer
-from sfi.scorers.snapkv import SnapKVScorer
-from sfi.scorers.tova import TOVAScorer
+from sfi.core.scorers import Evidence, key_norms_of, make_evidence
+from sfi.core.scorers.registry import make_scorer
+from sfi.core.scorers.snapkv import SnapKVScorer
+from sfi.core.scorers.tova import TOVAScorer
 
 
 def _evidence(g=3, w=4, t=20, b=1, h=2, seed=0):

@@ -9,7 +9,7 @@ from conftest import tiny_model
 from helpers import lockstep
 
 from sfi import SFIConfig, SFIError, SlowFastCache
-from sfi.selector import (
+from sfi.core.selector import (
     hysteresis_keep,
     pool_positions,
     selection_order,
@@ -111,7 +111,7 @@ def test_a_refresh_keeps_pins_only_of_rows_that_had_a_memory():
     in slots ``[start, start + count)``), the new memory's ``pinned`` first are kept pinned,
     none where the row had no memory (``count`` 0); hysteresis sees the whole old selection;
     without pins or hysteresis nothing is kept."""
-    from sfi.refresh_selection import HeldSelection, selection_inputs
+    from sfi.core.refresh_selection import HeldSelection, selection_inputs
 
     n, h, t = 2, 2, 12
     logits = torch.randn(n, h, 1, t)
@@ -150,7 +150,7 @@ def test_pinned_positions_survive_every_refresh():
     pinned = {layer: run.cache.selected_positions(layer, 0)[:, :16].clone() for layer in sparse}
     assert run.cache.memory(0).pinned == 16
     # keep decoding: the cache refreshes every other step from one query's evidence
-    from sfi.hf import cache_argument
+    from sfi.hf.facts import cache_argument
 
     key, token = cache_argument(model), run.full_logits[-1].argmax(-1, keepdim=True)
     position = torch.tensor([[ids.shape[1] + 1]])
@@ -183,7 +183,7 @@ def test_every_mechanism_keeps_full_budget_exact():
 def test_dense_layers_read_everything_and_count_in_the_read_fraction():
     from test_cache import _poison_outside_memory
 
-    from sfi.hf import cache_argument
+    from sfi.hf.facts import cache_argument
 
     model = tiny_model("llama")  # two layers: the first dense, the second slow-fast
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(4))
@@ -216,7 +216,7 @@ def test_dense_layers_read_everything_and_count_in_the_read_fraction():
 
 
 def test_page_summaries_follow_the_cache_as_it_grows():
-    from sfi.pages import page_bounds
+    from sfi.core.pages import page_bounds
 
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(5))
@@ -224,7 +224,7 @@ def test_page_summaries_follow_the_cache_as_it_grows():
                                          trigger="fixed", period=3), steps=1)
     layer = run.cache.layers[1]
     first = [t.clone() for t in layer.page_summaries(8)]
-    from sfi.hf import cache_argument
+    from sfi.hf.facts import cache_argument
 
     token = run.full_logits[-1].argmax(-1, keepdim=True)
     with torch.inference_mode():
@@ -281,7 +281,7 @@ def test_retry_margin_does_an_uncertain_fast_step_again_densely():
     margin that only the least certain fast step falls under, that step is the first done
     again (its token from the second pass) and the steps before it are what they are without
     the lever."""
-    from sfi.planner import top_margin
+    from sfi.hf.planner import top_margin
 
     plain = _margin_run(0.0)
     kinds = [k[0] for k in plain.kinds]
@@ -327,7 +327,7 @@ def test_retry_margin_is_refused_where_a_step_cannot_be_done_again():
         num_attention_heads=4, num_key_value_heads=2, sliding_window=24)).eval()
     with pytest.raises(SFIError, match="retry_margin needs every layer of the model"):
         SlowFastCache(sliding, SFIConfig(trigger="fixed", retry_margin=0.1))
-    from sfi.hf import cache_argument
+    from sfi.hf.facts import cache_argument
 
     base = tiny_model("llama").model  # hidden states out, no logits
     config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, coverage_layers=0,
@@ -343,7 +343,7 @@ def test_retry_margin_is_refused_where_a_step_cannot_be_done_again():
 
 
 def test_top_margin():
-    from sfi.planner import top_margin
+    from sfi.hf.planner import top_margin
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
     torch.testing.assert_close(top_margin(logits), torch.tensor([0.2, 0.7]))
@@ -354,7 +354,7 @@ def test_a_flag_outlives_another_rows_redo(monkeypatch):
     """A row whose probes flag its memory but which is not done again (here: redo_rows keeps
     row 0 alone) keeps its flag through row 0's second pass and refreshes at its next step,
     as without coverage_retry."""
-    from sfi.planner import Planner
+    from sfi.hf.planner import Planner
 
     redo_rows = Planner.redo_rows
     def row_0_alone(self, plan, missed, logits=None):
@@ -372,7 +372,7 @@ def test_incremental_page_summaries_equal_summarising_from_scratch():
     """Both engines' probes keep page bounds this way (the slab per layer, the vLLM plugin per
     request): update by update, grown past their room, with shifted pages and after a cut,
     they are the bounds and boxes of the whole cache."""
-    from sfi.pages import PageSummaries, page_bounds, page_boxes, page_count
+    from sfi.core.pages import PageSummaries, page_bounds, page_boxes, page_count
 
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(2, 2, 70, 4, generator=g)
@@ -408,15 +408,15 @@ def test_incremental_page_summaries_equal_summarising_from_scratch():
 
 
 def reader(keys: torch.Tensor):
-    """A :data:`sfi.coverage.KeyReader` of ``keys [n, H, T, D]`` (all n rows)."""
-    from sfi.coverage import batch_reader
+    """A :data:`sfi.core.coverage.KeyReader` of ``keys [n, H, T, D]`` (all n rows)."""
+    from sfi.core.coverage import batch_reader
 
     return batch_reader(keys, torch.arange(keys.shape[0]))
 
 
 def test_a_memory_missing_a_heavy_page_is_flagged():
-    from sfi.coverage import CoverageChecks, page_scores, probe_layers, unheld_pages
-    from sfi.pages import page_bounds, page_boxes
+    from sfi.core.coverage import CoverageChecks, page_scores, probe_layers, unheld_pages
+    from sfi.core.pages import page_bounds, page_boxes
 
     g = torch.Generator().manual_seed(9)
     n, h, gq, d, page, pages = 2, 2, 3, 8, 4, 10
@@ -466,8 +466,8 @@ def test_the_page_after_the_most_attended_selected_position_is_read_first():
     """``coverage_next``: a copy that runs past the held page is caught by reading the page
     after it, which the page bound alone ranks below pages of wide keys; where no page is
     raised, the probe reads the ``top`` pages the bound ranks, no more."""
-    from sfi.coverage import missing_rows, page_scores, unheld_pages, with_next_pages
-    from sfi.pages import page_bounds, page_boxes
+    from sfi.core.coverage import missing_rows, page_scores, unheld_pages, with_next_pages
+    from sfi.core.pages import page_bounds, page_boxes
 
     g = torch.Generator().manual_seed(2)
     n, h, gq, d, page, pages = 1, 1, 2, 8, 4, 10
@@ -519,7 +519,7 @@ def test_a_copy_about_to_run_past_the_memory_flags_its_row():
     """``coverage_copy``: a query head that gives most of its attention to a selected position
     whose next position the memory lacks flags its row; not where the next position is held,
     lies in the recent window, or the share is below the threshold, nor for a sink."""
-    from sfi.coverage import copy_runs_out
+    from sfi.core.coverage import copy_runs_out
 
     memory = torch.tensor([[[0, 12, 13, 14, 15]]])  # a sink, then held page 3
     held = torch.tensor([[False, True, True, True, True]])
@@ -557,7 +557,7 @@ def test_copy_flags_are_kept_apart_and_never_redo_a_step():
     """The rows :func:`copy_runs_out` flags come back apart from the pages' misses, and with
     ``coverage_retry`` a copy flag refreshes the next step, as without it: the step it was
     raised in was served (its source is held), so it is not done again."""
-    from sfi.coverage import CoverageChecks
+    from sfi.core.coverage import CoverageChecks
 
     checks = CoverageChecks()
     h, g, d, t, page = 1, 1, 4, 32, 4
@@ -611,8 +611,8 @@ def test_copy_flags_reach_the_planner_as_coverage_refreshes():
 
 
 def test_the_page_bound_is_its_definition_and_bounds_every_logit():
-    from sfi.pages import page_bounds
-    from sfi.scorers.quest import bound_scores
+    from sfi.core.pages import page_bounds
+    from sfi.core.scorers.quest import bound_scores
 
     for seed in range(20):
         g = torch.Generator().manual_seed(seed)
@@ -636,7 +636,7 @@ def test_the_page_bound_is_its_definition_and_bounds_every_logit():
 def test_a_padded_row_is_cut_into_the_pages_it_has_alone():
     """Pages start at each row's first token: a row padded by ``pad`` positions has, from page
     (pad + shift) / page on, the boxes of its keys alone, incrementally summarised too."""
-    from sfi.pages import page_bounds, page_count, page_shift
+    from sfi.core.pages import page_bounds, page_count, page_shift
 
     g = torch.Generator().manual_seed(3)
     page, t, pads = 8, 61, torch.tensor([0, 5, 11, 16])
@@ -658,8 +658,8 @@ def test_a_padded_row_is_cut_into_the_pages_it_has_alone():
 def test_the_unheld_pages_kept_between_refreshes_are_those_of_each_step(monkeypatch):
     """A probe layer keeps its unheld-page mask from one refresh to the next; at every probe
     of a padded batch with refreshes, it equals the mask computed afresh."""
-    from sfi.coverage import unheld_pages
-    from sfi.layer_attention import SlowFastAttention
+    from sfi.core.coverage import unheld_pages
+    from sfi.hf.layer_attention import SlowFastAttention
 
     kept = SlowFastAttention._unheld_pages
     checked = []
@@ -688,7 +688,7 @@ def test_the_evidence_bias_is_each_rows_own_causal_window():
     """Both engines' evidence bias from one function: row b's last W queries end at
     ``ends[b]``; each sees its row's keys from ``starts[b]`` up to itself, and nothing when it
     lies outside the row's own window."""
-    from sfi.kernels import evidence_bias
+    from sfi.core.kernels import evidence_bias
 
     ends, starts, windows = torch.tensor([9, 12, 12]), torch.tensor([0, 3, 0]), \
         torch.tensor([3, 2, 3])
@@ -709,8 +709,8 @@ def test_memory_tensors_hold_each_memorys_geometry_and_its_selected_slots():
     """Both engines' view of their rows' memories: every field, and the selected slots of a
     buffer with S sink slots per row (the transformers path's) or one that packs each row's
     own sinks first (the plugin's)."""
-    from sfi.memory_tensors import MemoryTensors
-    from sfi.sequence_policy import Memory, refresh_memory
+    from sfi.core.memory_tensors import MemoryTensors
+    from sfi.core.sequence_policy import Memory, refresh_memory
 
     memories = [refresh_memory(100, 0, 4, 16, 10), refresh_memory(100, 98, 4, 16, 10),
                 Memory(pad=3, sink=2, sink_end=5, recent_start=40, k=3, pinned=1)]
@@ -729,8 +729,8 @@ def test_memory_tensors_hold_each_memorys_geometry_and_its_selected_slots():
 
 
 def test_a_memorys_positions_and_mask_are_its_sinks_selected_and_recent_window():
-    from sfi.memory_tensors import memory_mask, memory_positions
-    from sfi.sequence_policy import Memory
+    from sfi.core.memory_tensors import memory_mask, memory_positions
+    from sfi.core.sequence_policy import Memory
 
     memory = Memory(pad=3, sink=2, sink_end=5, recent_start=40, k=2)
     selected = torch.tensor([[7, 30], [12, 13]])
@@ -743,7 +743,7 @@ def test_a_memorys_positions_and_mask_are_its_sinks_selected_and_recent_window()
 
 
 def test_page_shifts_of_python_pads_are_page_shift_of_the_tensor():
-    from sfi.pages import page_shift, page_shifts
+    from sfi.core.pages import page_shift, page_shifts
 
     for pads in ([0, 3, 17, 32], [0, 0], [16, 32], [5]):
         shift = page_shift(torch.tensor(pads), 16)

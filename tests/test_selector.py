@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sfi import SFIConfig
-from sfi.scorers import Evidence
-from sfi.selector import (
+from sfi.core.scorers import Evidence
+from sfi.core.selector import (
     SFISelector,
     best_pages_slots,
     compact_slots,

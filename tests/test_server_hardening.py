@@ -19,7 +19,7 @@ import pytest
 from serverkit import CONFIG, Server, _free_port
 
 import sfi
-from sfi.stopping import StopChecker
+from sfi.decoding.stopping import StopChecker
 
 PROMPT = "The first prompt. It is long enough! " * 4
 VALID = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from sfi import SFIConfig
-from sfi.triggers import (
+from sfi.core.triggers import (
     BootstrapOnlyTrigger,
     FixedPeriodTrigger,
     RandomPeriodTrigger,
@@ -97,8 +97,8 @@ def test_sentence_step_end_fires_on_the_first_ender_of_each_boundary(tokenizer_n
 
 def test_sentence_step_is_checked_and_the_paper_keeps_start():
     from sfi import SFIConfig
+    from sfi.core.triggers import make_trigger
     from sfi.errors import SFIConfigError
-    from sfi.triggers import make_trigger
 
     assert SFIConfig.paper().sentence_step == "start"
     assert make_trigger(SFIConfig(sentence_step="end"), token_classes_stub(), 0).at_end
@@ -107,7 +107,7 @@ def test_sentence_step_is_checked_and_the_paper_keeps_start():
 
 
 def token_classes_stub():
-    from sfi.triggers import TokenClasses
+    from sfi.core.triggers import TokenClasses
 
     return TokenClasses(frozenset({1}), frozenset({2}))
 

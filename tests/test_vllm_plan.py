@@ -13,12 +13,12 @@ import torch
 
 import sfi
 from sfi import SFIConfig
+from sfi.core.memory_tensors import memory_positions
+from sfi.core.refresh_selection import SelectionRule, select
+from sfi.core.scorers.registry import make_scorer
+from sfi.core.sequence_policy import refresh_memory
+from sfi.core.triggers import token_classes
 from sfi.errors import SFIConfigError
-from sfi.memory_tensors import memory_positions
-from sfi.refresh_selection import SelectionRule, select
-from sfi.scorers.registry import make_scorer
-from sfi.sequence_policy import refresh_memory
-from sfi.triggers import token_classes
 from sfi.vllm.paged import (
     BLOCKS,
     CHANNELS,
@@ -292,7 +292,7 @@ def test_a_refresh_read_since_the_last_one_equals_one_read_from_scratch():
     probe layer) and reads anew (only the keys written since) gives, refresh after refresh and
     after the cache is cut back, the norms, bounds and logits of reading everything; a query
     grouped per KV head as the selection groups it."""
-    from sfi.pages import page_bounds
+    from sfi.core.pages import page_bounds
 
     torch.manual_seed(5)
     nb, h, bs, d, hq = 30, 2, 4, 8, 6
@@ -517,7 +517,7 @@ def test_probe_layers_scored_together_equal_each_layer_alone():
     """The plugin scores the pages of every probe layer of a step in one call per row
     (``sfi.vllm.probes``): the same scores as each (layer, row) alone, -inf past a row's
     pages, where the layers of a row hold different numbers of pages too."""
-    from sfi.coverage import page_scores
+    from sfi.core.coverage import page_scores
     from sfi.vllm.probes import ProbeLayer, _scores
 
     g = torch.Generator().manual_seed(8)
@@ -542,9 +542,9 @@ def test_probe_layers_scored_together_equal_each_layer_alone():
 def _probe_alone(layer, md, c):
     """One probe layer's flags checked alone, with the shared primitives (what the plugin did
     in each probe layer before its probes were checked together)."""
-    from sfi.coverage import copy_runs_out, page_scores, pages_miss, probe_page
-    from sfi.kernels import attention_logits
-    from sfi.memory_tensors import MemoryTensors
+    from sfi.core.coverage import copy_runs_out, page_scores, pages_miss, probe_page
+    from sfi.core.kernels import attention_logits
+    from sfi.core.memory_tensors import MemoryTensors
     from sfi.vllm.paged import read_blocks, read_positions
 
     plans, q = md.fast_plans, layer.query
@@ -584,7 +584,7 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
     import random
     from types import SimpleNamespace
 
-    from sfi.sequence_policy import Memory
+    from sfi.core.sequence_policy import Memory
     from sfi.vllm.probes import ProbeLayer, check_probes
 
     torch.manual_seed(0)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-import sfi.weight_choice as weight_choice
-from sfi.int8_linear import Int8Linear
-from sfi.weight_choice import Verdict, candidates, choose_weights
-from sfi.weight_layout import PackedLinear, format_runs
+import sfi.weights.choice as weight_choice
+from sfi.weights.choice import Verdict, candidates, choose_weights
+from sfi.weights.int8_linear import Int8Linear
+from sfi.weights.layout import PackedLinear, format_runs
 
 
 @pytest.mark.parametrize("capability, batch, dtype, int8_fast, expected", [

@@ -104,7 +104,7 @@ def test_switching_sfi_on_under_full_cuda_graphs_is_refused(sfi_off):
 def test_slot_records_belong_to_the_book_that_planned_them():
     """Serials count per book: a new configuration's book starts them again, so an impl's
     per-slot records (selection, norms, page bounds) must not outlive the book."""
-    from sfi.scorers.registry import make_scorer
+    from sfi.core.scorers.registry import make_scorer
     from sfi.vllm.impl import SFIImpl, SlotRecord
     from sfi.vllm.requests import RequestBook, slot_capacity
 
@@ -125,8 +125,8 @@ def test_slot_records_belong_to_the_book_that_planned_them():
 def test_a_step_whose_refreshes_were_never_packed_is_refused():
     """The slow rows' refreshes are packed after the step's last layer; if that layer never ran
     with SFI's metadata, the next step refuses to plan (its fast rows would read stale slots)."""
-    from sfi.overlap import StackingRebuilder
-    from sfi.scorers.registry import make_scorer
+    from sfi.core.overlap import StackingRebuilder
+    from sfi.core.scorers.registry import make_scorer
     from sfi.vllm.metadata import check_packed
     from sfi.vllm.requests import RequestBook, slot_capacity
 
@@ -191,7 +191,7 @@ def test_the_bench_warms_each_engine_up_untimed_before_its_first_cell(monkeypatc
     warmed with SFI off; compiled: vLLM + SFI's engine, then stock vLLM's); the rows hold
     only the timed cells' steps."""
     import sfi.bench.vllm as bench
-    from sfi.decode_stats import DecodeStats
+    from sfi.core.decode_stats import DecodeStats
     from sfi.vllm import backend, settings
 
     decoded: list[tuple[int, bool]] = []  # (tokens of the first prompt, SFI on)

@@ -117,9 +117,9 @@ def test_a_slow_steps_refreshes_are_selected_together(smol, essay_prompts):
     """A slow row's refreshes wait for the step's last layer and are selected in one call over
     all layers (the transformers path's ``StackingRebuilder``); a first selection, read fast at
     its own step, is made in each layer as it runs."""
-    import sfi.overlap
+    import sfi.core.overlap
 
-    original = sfi.overlap.select_groups
+    original = sfi.core.overlap.select_groups
     calls: list[int] = []
 
     def counting(groups, evidence, k, *args):
@@ -127,7 +127,7 @@ def test_a_slow_steps_refreshes_are_selected_together(smol, essay_prompts):
         return original(groups, evidence, k, *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sfi.overlap, "select_groups", counting)
+        patch.setattr(sfi.core.overlap, "select_groups", counting)
         generate(smol, essay_prompts[:1], SFI, max_tokens=24)
     layers, slow = len(backend.book().layers), stats().rows["slow"]
     assert slow >= 2  # a fixed period of 8

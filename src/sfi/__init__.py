@@ -21,56 +21,56 @@ __version__ = "0.2.0"
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
-    "DecodeCache": "sfi.decode_cache",
-    "DecodeStats": "sfi.decode_stats",
-    "Evidence": "sfi.scorers",
-    "FullCache": "sfi.decode_cache",
-    "GenerateResult": "sfi.decode",
+    "DecodeCache": "sfi.hf.decode_cache",
+    "DecodeStats": "sfi.core.decode_stats",
+    "Evidence": "sfi.core.scorers",
+    "FullCache": "sfi.hf.decode_cache",
+    "GenerateResult": "sfi.decoding.decode",
     "ModelNotFoundError": "sfi.errors",
     "PromptError": "sfi.errors",
-    "SFIConfig": "sfi.config",
+    "SFIConfig": "sfi.core.config",
     "SFIConfigError": "sfi.errors",
     "SFIError": "sfi.errors",
-    "SFISelector": "sfi.selector",
-    "Scorer": "sfi.scorers",
-    "SlowFastCache": "sfi.slowfast_cache",
-    "Timing": "sfi.decode",
+    "SFISelector": "sfi.core.selector",
+    "Scorer": "sfi.core.scorers",
+    "SlowFastCache": "sfi.hf.slowfast_cache",
+    "Timing": "sfi.decoding.decode",
     "UnsupportedModelError": "sfi.errors",
-    "build_cache": "sfi.methods",
-    "generate": "sfi.decode",
+    "build_cache": "sfi.hf.methods",
+    "generate": "sfi.decoding.decode",
     "load": "sfi.models",
-    "routed": "sfi.hf",
+    "routed": "sfi.hf.routing",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors (redundant aliases re-export)
-    from sfi.config import SFIConfig as SFIConfig
-    from sfi.decode import GenerateResult as GenerateResult
-    from sfi.decode import Timing as Timing
-    from sfi.decode import generate as generate
-    from sfi.decode_cache import DecodeCache as DecodeCache
-    from sfi.decode_cache import FullCache as FullCache
-    from sfi.decode_stats import DecodeStats as DecodeStats
+    from sfi.core.config import SFIConfig as SFIConfig
+    from sfi.core.decode_stats import DecodeStats as DecodeStats
+    from sfi.core.scorers import Evidence as Evidence
+    from sfi.core.scorers import Scorer as Scorer
+    from sfi.core.selector import SFISelector as SFISelector
+    from sfi.decoding.decode import GenerateResult as GenerateResult
+    from sfi.decoding.decode import Timing as Timing
+    from sfi.decoding.decode import generate as generate
     from sfi.errors import ModelNotFoundError as ModelNotFoundError
     from sfi.errors import PromptError as PromptError
     from sfi.errors import SFIConfigError as SFIConfigError
     from sfi.errors import SFIError as SFIError
     from sfi.errors import UnsupportedModelError as UnsupportedModelError
-    from sfi.hf import routed as routed
-    from sfi.methods import build_cache as build_cache
+    from sfi.hf.decode_cache import DecodeCache as DecodeCache
+    from sfi.hf.decode_cache import FullCache as FullCache
+    from sfi.hf.methods import build_cache as build_cache
+    from sfi.hf.routing import routed as routed
+    from sfi.hf.slowfast_cache import SlowFastCache as SlowFastCache
     from sfi.models import load as load
-    from sfi.scorers import Evidence as Evidence
-    from sfi.scorers import Scorer as Scorer
-    from sfi.selector import SFISelector as SFISelector
-    from sfi.slowfast_cache import SlowFastCache as SlowFastCache
 
 
 def __getattr__(name: str) -> Any:
     """The public names of ``__all__``, each imported from its module when first asked for,
     and the submodules (``sfi.texts``)."""
     module = _EXPORTS.get(name)
-    if module is None:  # a submodule (sfi.texts, sfi.weight_layout, ...), else no such name
+    if module is None:  # a submodule (sfi.texts, sfi.weights.layout, ...), else no such name
         try:
             return importlib.import_module(f"sfi.{name}")
         except ModuleNotFoundError as exc:

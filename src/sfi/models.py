@@ -26,8 +26,8 @@ import torch
 from sfi.cache_folder import cache_root
 from sfi.errors import ModelNotFoundError, SFIError
 from sfi.notices import notice_once
-from sfi.weight_choice import AUTO, WEIGHT_CHOICES, check_ids, choose_weights
-from sfi.weight_layout import prefer_decode_layout
+from sfi.weights.choice import AUTO, WEIGHT_CHOICES, check_ids, choose_weights
+from sfi.weights.layout import prefer_decode_layout
 
 CONVERTED_MARKER = "sfi-converted.json"
 #: the weight formats whose decode steps are compiled unless ``compile=False``: their
@@ -230,21 +230,21 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
         device: defaults to CUDA when available, else CPU.
         dtype: defaults to float32 on CPU (much faster prefill there) and bfloat16 on CUDA.
         decode_layout: on CPU, store the linear layers' weights as decoding reads them fastest
-            (``sfi.weight_layout``: packed for oneDNN on x86, else wide weights transposed); results
-            agree to float rounding. Packed layers cannot move to another device or train:
+            (``sfi.weights.layout``: packed for oneDNN on x86, else wide weights transposed);
+            results agree to float rounding. Packed layers cannot move to another device or train:
             pass ``decode_layout=False`` for a model you will move or fine-tune.
         weights: ``auto`` (the default: the fastest format for this CPU and ``batch`` whose
             next-token distributions stay within KL 0.01 and 97% top-1 of the native weights',
-            checked once per model and cached: :mod:`sfi.weight_choice`; said in one notice;
+            checked once per model and cached: :mod:`sfi.weights.choice`; said in one notice;
             ``native`` on a GPU or without ``decode_layout``), ``native`` (the loaded dtype);
             on a CPU, ``bf16`` (x86), ``fp16`` (large weights in float16, for batch 1) or
             ``int8`` (AVX-512, or AVX2 with sfi's kernel) for the linear layers (faster, not
             exact: ``sfi bench --weights native,fp16,int8`` measures speed and fidelity
-            against ``native``; ``sfi.weight_layout``). The format in use is
+            against ``native``; ``sfi.weights.layout``). The format in use is
             ``model.sfi_weights``; what ``auto`` read to choose it, ``model.sfi_weight_choice``
-            (:class:`sfi.weight_choice.WeightChoice`).
+            (:class:`sfi.weights.choice.WeightChoice`).
         compile: compile the model's one-token decode steps with ``torch.compile``
-            (:func:`sfi.compiled.compile_decode`: the first steps of a process take 10-90 s
+            (:func:`sfi.decoding.compiled.compile_decode`: the first steps of a process take 10-90 s
             to compile, kernels are cached on disk). Default: with ``fp16`` and ``int8``
             weights, where it makes a step 1.2-1.5x faster; not with native ones, where it
             gains 2-5% (``docs/benchmarks.md``, ``docs/eval/weight-formats.md``).
@@ -254,7 +254,7 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from sfi.hf import check_routable
+    from sfi.hf.facts import check_routable
 
     hf_logging.disable_progress_bar()
     source = resolve(name_or_path)
@@ -286,7 +286,7 @@ def load(name_or_path: str = "default", *, device: str | torch.device | None = N
     elif decode_layout:
         prefer_decode_layout(model, weights)
     if compile if compile is not None else weights in COMPILED_BY_DEFAULT:
-        from sfi.compiled import compile_decode
+        from sfi.decoding.compiled import compile_decode
 
         compile_decode(model)
     model.sfi_tokenizer = tokenizer

@@ -103,8 +103,8 @@ def record_engine(model, tokenizer) -> list[dict[str, Any]]:
 
 
 def record_selector() -> list[list[list[int]]]:
-    from sfi.scorers import Evidence
-    from sfi.selector import SFISelector, top_k_positions
+    from sfi.core.scorers import Evidence
+    from sfi.core.selector import SFISelector, top_k_positions
 
     out = []
     for seed, (heads, rows, t) in enumerate(((4, 3, 300), (2, 16, 257), (8, 1, 513))):

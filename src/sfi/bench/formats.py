@@ -1,6 +1,6 @@
 """``sfi bench --weights``: the throughput benchmark once per weight format, in one process.
 
-Each format (``sfi.weight_layout.WEIGHT_FORMATS``) loads the model again and runs
+Each format (``sfi.weights.layout.WEIGHT_FORMATS``) loads the model again and runs
 :func:`sfi.bench.throughput.run_bench`; every format but ``native`` is also read against the
 native weights, teacher-forced (:func:`sfi.eval.fidelity.weight_fidelity`), and every row gets
 its tokens/s ratio to the native row of the same cell and mode.
@@ -20,7 +20,7 @@ def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
                        formats: Sequence[str], *, fidelity_tokens: int = 1024,
                        progress: Callable[[str], None] | None = None,
                        **bench: Any) -> dict[str, Any]:
-    """:func:`run_bench` once per weight format (``sfi.weight_layout.WEIGHT_FORMATS``), in one
+    """:func:`run_bench` once per weight format (``sfi.weights.layout.WEIGHT_FORMATS``), in one
     process.
 
     ``load_model(format) -> (model, tokenizer)``. Rows carry their ``weights`` and, beside the
@@ -28,7 +28,7 @@ def run_weight_formats(load_model: Callable[[str], tuple[torch.nn.Module, Any]],
     also gets its teacher-forced fidelity to the native weights (``fidelity``: KL, top-1,
     perplexities over ``fidelity_tokens`` essay tokens, full attention).
     """
-    from sfi.compiled import compiled_forward
+    from sfi.decoding.compiled import compiled_forward
     from sfi.eval.fidelity import next_token_log_probs, weight_fidelity
 
     formats = list(dict.fromkeys(formats))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sfi.bench.throughput import MODES
-from sfi.draft_length import expected_tokens
+from sfi.core.draft_length import expected_tokens
 
 
 def _pyplot() -> Any:

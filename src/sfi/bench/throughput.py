@@ -10,8 +10,8 @@ mode continues that same prefix:
   sentence triggers fire at their natural rate;
 - ``sfi-fast-only``: the same with no refresh after the first selection, sparse at every
   context (``force_sparse``: the fast step's ceiling, where the cost model would decode densely);
-- ``sfi-exact``: exact mode (``sfi.exact``: fast steps draft, dense forwards verify), real text
-  only (acceptance is a property of the text); its row says whether its tokens equal
+- ``sfi-exact``: exact mode (``sfi.decoding.exact``: fast steps draft, dense forwards verify),
+  real text only (acceptance is a property of the text); its row says whether its tokens equal
   ``full``'s of the same cell, its acceptance and its drafts per verify.
 
 Each mode runs the last W prompt tokens as one forward (SFI makes its first selection there),
@@ -31,20 +31,20 @@ from typing import Any
 import torch
 
 from sfi.bench.llama_cpp import NO_FLASH_ATTN, decode_times, gguf_weights
-from sfi.config import SFIConfig
-from sfi.cost_model import kv_elements_per_position
-from sfi.decode_cache import KV, DecodeCache
-from sfi.decode_stats import DecodeStats
-from sfi.decode_step import decode_one
+from sfi.core.config import SFIConfig
+from sfi.core.cost_model import kv_elements_per_position
+from sfi.core.decode_stats import DecodeStats
+from sfi.core.triggers import COVERAGE
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.exact import ExactDecoder
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prefix import SharedPrefill, prefix_kv
 from sfi.errors import SFIError
-from sfi.exact import ExactDecoder
-from sfi.hf import context_length
-from sfi.methods import build_cache
-from sfi.prefill import prefill
-from sfi.prefix import SharedPrefill, prefix_kv
-from sfi.reduction import ReducedLinear
-from sfi.triggers import COVERAGE
-from sfi.weight_layout import PackedLinear, stored_weight_positions
+from sfi.hf.decode_cache import KV, DecodeCache
+from sfi.hf.facts import context_length
+from sfi.hf.methods import build_cache
+from sfi.weights.layout import PackedLinear, stored_weight_positions
+from sfi.weights.reduction import ReducedLinear
 
 MODES: tuple[str, ...] = ("full", "full-static", "sfi", "sfi-fast-only", "sfi-exact")
 
@@ -360,7 +360,7 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
     Rows are named ``weights`` (the model's weight format) and handed to ``on_row`` as each
     cell ends, so a long run that stops keeps what it measured. With ``store`` (a folder) each
     cell's real prefill is kept on disk and read back by the next run of the same cell
-    (:class:`sfi.prefix.SharedPrefill`)."""
+    (:class:`sfi.decoding.prefix.SharedPrefill`)."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SFIError(f"unknown bench mode(s) {', '.join(unknown)}; choose from "

@@ -36,10 +36,10 @@ from sfi.bench.throughput import (
     measure_cell,
     step_rates,
 )
-from sfi.config import SFIConfig
-from sfi.decode_stats import DecodeStats
+from sfi.core.config import SFIConfig
+from sfi.core.decode_stats import DecodeStats
+from sfi.decoding.prefix import prefix_kv
 from sfi.errors import SFIError
-from sfi.prefix import prefix_kv
 
 VLLM_MODES = ("vllm", "vllm+sfi")
 OWN_MODES = ("full", "sfi", "sfi-fast-only")  # sfi's engine beside them

@@ -2,7 +2,7 @@
 serve, loadtest.
 
 Each command parses its options, calls the library, and prints a table or ``--json``; the SFI
-knobs are declared once (``sfi.cli_options``). One module per group of commands
+knobs are declared once (``sfi.cli.options``). One module per group of commands
 (``generate``, ``bench``, ``evaluate``, ``serve``), registered here on the one Typer app in the
 order ``sfi --help`` lists them.
 """
@@ -19,7 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from sfi.cli import bench, evaluate, generate, serve
 from sfi.cli.common import err
-from sfi.cli_options import build_config
+from sfi.cli.options import build_config
 from sfi.errors import SFIError
 from sfi.runtime import keep_freed_memory
 

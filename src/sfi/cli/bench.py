@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from sfi.cli.common import err, json_lines, load_model, print_table
-from sfi.cli_options import (
+from sfi.cli.options import (
     CompileOpt,
     JsonOpt,
     ModelOpt,
@@ -19,7 +19,7 @@ from sfi.cli_options import (
     old_spellings,
     sfi_options,
 )
-from sfi.config import SFIConfig
+from sfi.core.config import SFIConfig
 from sfi.errors import SFIError
 
 BENCH_COLUMNS = {"mode": "mode", "context": "context", "batch": "B", "kv": "KV",
@@ -79,7 +79,7 @@ def bench_cmd(
     context_list = int_list("--contexts", contexts)
     batch_list = int_list("--batch", batch)
     mode_list = name_list("--modes", modes, MODES)
-    from sfi.weight_layout import WEIGHT_FORMATS, require_format
+    from sfi.weights.layout import WEIGHT_FORMATS, require_format
 
     format_list = name_list("--weights", weights, WEIGHT_FORMATS)
     for name in format_list:  # before any model loads (the CPU decides, not the model)

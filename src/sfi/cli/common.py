@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 from rich.text import Text
 
-from sfi.cli_options import name_list, note
+from sfi.cli.options import name_list, note
 from sfi.errors import SFIError
 
 err = Console(stderr=True)
@@ -38,8 +38,8 @@ def load_model(model: str, quiet: bool, weights: str = "auto",
     """``sfi.load(model)``, with a status line on the terminal unless ``quiet``; int8 weights
     on a CPU where they decode slowly get a note, and so does what ``auto`` chose, unless
     ``quiet`` (the library's notices, which the command line's logger level silences)."""
-    from sfi.int8_linear import SLOW_INT8, int8_runs_fast
     from sfi.models import load
+    from sfi.weights.int8_linear import SLOW_INT8, int8_runs_fast
 
     if weights == "int8" and not int8_runs_fast():
         note(SLOW_INT8)
@@ -58,7 +58,7 @@ def load_model(model: str, quiet: bool, weights: str = "auto",
 def compile_seconds(model: Any) -> float | None:
     """Seconds the model's compiled decode steps spent building graphs, or None when its
     steps run eagerly."""
-    from sfi.compiled import compiled_forward
+    from sfi.decoding.compiled import compiled_forward
 
     compiled = compiled_forward(model)
     return None if compiled is None else round(compiled.compile_seconds, 2)
@@ -66,7 +66,7 @@ def compile_seconds(model: Any) -> float | None:
 
 def one_format(weights: str) -> str:
     """The one weight format ``--weights`` names (a clear error otherwise)."""
-    from sfi.weight_choice import WEIGHT_CHOICES
+    from sfi.weights.choice import WEIGHT_CHOICES
 
     formats = name_list("--weights", weights, WEIGHT_CHOICES)
     if len(formats) != 1:

@@ -12,7 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
 from sfi.cli.common import err, load_model, one_format, print_table
-from sfi.cli_options import (
+from sfi.cli.options import (
     CompileOpt,
     JsonOpt,
     ModelOpt,
@@ -25,7 +25,7 @@ from sfi.cli_options import (
     old_spellings,
     sfi_options,
 )
-from sfi.config import SFIConfig, parse_overrides
+from sfi.core.config import SFIConfig, parse_overrides
 from sfi.errors import SFIError
 
 DEFAULT_METHODS = "full,sfi,streamingllm,snapkv,pyramidkv,h2o,tova,quest"
@@ -189,7 +189,7 @@ def diagnose_cmd(
     per answer step, the attention mass the memory holds."""
     from sfi.eval.diagnose import diagnose
     from sfi.eval.tasks import DEPTH_TASKS, TASKS, check_depth, found_in_order, make_sample
-    from sfi.methods import budget_tokens, parse_method
+    from sfi.hf.methods import budget_tokens, parse_method
 
     if task not in TASKS or task == "fidelity":
         raise SFIError(f"--task must be a retrieval task, one of {', '.join(TASKS[:-1])}")

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sfi.cli.common import compile_seconds, err, load_model, one_format, progress_bar
-from sfi.cli_options import (
+from sfi.cli.options import (
     CompileOpt,
     JsonOpt,
     ModelOpt,
@@ -21,7 +21,7 @@ from sfi.cli_options import (
     old_spellings,
     sfi_options,
 )
-from sfi.config import SFIConfig
+from sfi.core.config import SFIConfig
 from sfi.errors import PromptError, SFIError
 
 
@@ -76,7 +76,7 @@ def _generate(model, tokenizer, prompt: str, quiet: bool, label: str, stream: bo
               **kwargs: Any):
     """``sfi.generate``, showing on the terminal unless ``quiet`` the prefill's progress (by
     chunk, with ``prefill_chunk``) and then the decode's, or with ``stream`` the text itself."""
-    from sfi.decode import generate
+    from sfi.decoding.decode import generate
 
     printer = _StreamPrinter(tokenizer) if stream else None
     if quiet:
@@ -148,7 +148,7 @@ def generate_cmd(
     text = prompt if prompt is not None else read_prompt_file(prompt_file)
     if not text.strip():
         raise PromptError("the prompt is empty: give some text to continue")
-    from sfi.decode import MODES
+    from sfi.decoding.decode import MODES
 
     if mode not in MODES:
         raise SFIError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -191,7 +191,7 @@ def demo_cmd(
     The document (essays, --context tokens) is prefilled once; both sides continue copies of
     that prefill, answering the fact's question and writing a short essay, where the decode
     speed shows."""
-    from sfi.demo import run_demo
+    from sfi.cli.demo import run_demo
 
     loaded_model, tokenizer = load_model(model, False, weights=one_format(weights),
                                          compile=compile)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from sfi.cli.common import err, load_model, one_format, print_table
-from sfi.cli_options import (
+from sfi.cli.options import (
     CompileOpt,
     JsonOpt,
     ModelOpt,
@@ -19,7 +19,7 @@ from sfi.cli_options import (
     old_spellings,
     sfi_options,
 )
-from sfi.config import SFIConfig
+from sfi.core.config import SFIConfig
 from sfi.errors import SFIError
 
 
@@ -61,8 +61,8 @@ def serve_cmd(
 
     from dataclasses import asdict
 
-    from sfi.decode import MODES
-    from sfi.hf import context_length
+    from sfi.decoding.decode import MODES
+    from sfi.hf.facts import context_length
     from sfi.server.app import create_app, serve
     from sfi.server.engine import Engine, EngineLimits
     from sfi.server.guard import Access
@@ -81,7 +81,7 @@ def serve_cmd(
     name = served_model_name or (Path(model).name if Path(model).exists() else model)
     weights = one_format(weights)
     if weights == "fp16" and max_batch > 1:
-        from sfi.fp16_linear import BATCH_ONE
+        from sfi.weights.fp16_linear import BATCH_ONE
 
         note(BATCH_ONE)
     loaded_model, tokenizer = load_model(model, False, weights=weights, compile=compile,

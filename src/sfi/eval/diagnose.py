@@ -25,18 +25,18 @@ from typing import Any
 
 import torch
 
-from sfi.decode_step import decode_one
+from sfi.core.memory_tensors import memory_mask
+from sfi.core.scorers import Evidence, Scorer
+from sfi.core.selector import top_k_positions
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prefix import SharedPrefill
 from sfi.eval.runner import WINDOW, greedy_continue
 from sfi.eval.tasks import Sample, score
-from sfi.eviction.masked_cache import EvictionCache
-from sfi.hf import eos_token_ids
-from sfi.memory_tensors import memory_mask
-from sfi.methods import budget_tokens, build_cache, parse_method
-from sfi.prefill import prefill
-from sfi.prefix import SharedPrefill
-from sfi.scorers import Evidence, Scorer
-from sfi.selector import top_k_positions
-from sfi.slowfast_cache import SlowFastCache
+from sfi.hf.eviction.masked_cache import EvictionCache
+from sfi.hf.facts import eos_token_ids
+from sfi.hf.methods import budget_tokens, build_cache, parse_method
+from sfi.hf.slowfast_cache import SlowFastCache
 
 
 def answer_positions(tokenizer: Any, sample: Sample) -> dict[str, list[int]]:
@@ -81,7 +81,7 @@ class MethodDiagnosis:
     head) memories holding the answer at the step that writes it in full attention's output
     (None when the prompt's last forward writes it, or full attention never does), and
     ``step_kinds[step]`` what each of those steps was (``slow``, ``fast``, ``lagged`` or
-    ``dense``: :meth:`sfi.slowfast_cache.SlowFastCache.step_kinds`)."""
+    ``dense``: :meth:`sfi.hf.slowfast_cache.SlowFastCache.step_kinds`)."""
 
     method: str
     output: str

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sfi.config import SFIConfig
-from sfi.decode_cache import DecodeCache, FullCache
-from sfi.decode_step import decode_one
+from sfi.core.config import SFIConfig
+from sfi.core.scorers import Scorer
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prefix import SharedPrefill
 from sfi.errors import SFIError
-from sfi.methods import build_cache
-from sfi.prefill import prefill
-from sfi.prefix import SharedPrefill
-from sfi.scorers import Scorer
+from sfi.hf.decode_cache import DecodeCache, FullCache
+from sfi.hf.methods import build_cache
 
 MethodSpec = SFIConfig | tuple[SFIConfig, Scorer] | Callable[[], Any]
 
@@ -79,8 +79,8 @@ def teacher_forced_fidelity(model: torch.nn.Module, ids: torch.Tensor, context: 
         ids: ``[1, context + N]`` real token ids: the context, then the continuation.
         context: how many of ``ids`` are context.
         methods: name -> SFIConfig, (SFIConfig, scorer) for an ablation of the Selector, or a
-            function returning a fresh cache (a :class:`~sfi.decode_cache.DecodeCache`: any
-            method of ``sfi.methods``).
+            function returning a fresh cache (a :class:`~sfi.hf.decode_cache.DecodeCache`: any
+            method of ``sfi.hf.methods``).
         window: the last context tokens run as one forward after the shared prefill (SFI's first
             selection sees their queries, as after a normal prefill).
         prefix: the shared prefill of ``ids[:, : context - window]``, when the caller has it.
@@ -157,13 +157,13 @@ def next_token_log_probs(model: torch.nn.Module, ids: torch.Tensor, chunk: int |
     the real tokens before it (full attention: teacher forcing). One forward, or with
     ``chunk`` forwards of that many tokens over a cache of the ones before: each linear layer
     then multiplies ``chunk`` rows at a time, as a decode step does (the narrow weight formats
-    take another product for a few rows than for many: ``sfi.reduction``)."""
+    take another product for a few rows than for many: ``sfi.weights.reduction``)."""
     if chunk is None:
         logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
         return F.log_softmax(logits.float(), dim=-1)
     from transformers import DynamicCache
 
-    from sfi.hf import cache_argument
+    from sfi.hf.facts import cache_argument
 
     cache = {cache_argument(model): DynamicCache(config=model.config)}
     parts = [model(input_ids=ids[:, start: start + chunk], use_cache=True, **cache).logits[0]
@@ -176,9 +176,9 @@ def weight_fidelity(name: str, native: torch.Tensor, model: torch.nn.Module,
     """Compare ``model`` (the network in weight format ``name``) with ``native [N - 1, V]``
     (:func:`next_token_log_probs` of the native weights) on the same ``ids [1, N]``:
     KL(native || format) per position, top-1 agreement, and both perplexities. The format's
-    side runs :data:`sfi.reduction.REDUCE_ROWS` tokens a forward, so that its products are
+    side runs :data:`sfi.weights.reduction.REDUCE_ROWS` tokens a forward, so that its products are
     the ones its decode steps take."""
-    from sfi.reduction import REDUCE_ROWS
+    from sfi.weights.reduction import REDUCE_ROWS
 
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != native.shape[0] + 1:
         raise SFIError("ids must be the [1, N] sequence the native log-probabilities came from")

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sfi.decode_cache import FullCache
-from sfi.hf import cache_argument
-from sfi.prefix import SharedPrefill
+from sfi.decoding.prefix import SharedPrefill
+from sfi.hf.decode_cache import FullCache
+from sfi.hf.facts import cache_argument
 
 NGRAM = 4  # the n of the repetition measure
 

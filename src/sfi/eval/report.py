@@ -8,9 +8,9 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from sfi.core.triggers import REFRESH_REASONS
 from sfi.errors import SFIError
 from sfi.eval.tasks import GENERATION_TASKS, LIST_TASKS, RETRIEVAL_TASKS, TASKS
-from sfi.triggers import REFRESH_REASONS
 
 Row = dict[str, Any]
 

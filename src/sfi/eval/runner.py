@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
-from sfi.config import SFIConfig
-from sfi.decode import continue_greedy
-from sfi.decode_cache import DecodeCache
+from sfi.core.config import SFIConfig
+from sfi.decoding.decode import continue_greedy
+from sfi.decoding.exact import ExactDecoder
+from sfi.decoding.prefill import prefill
+from sfi.decoding.prefix import SharedPrefill
+from sfi.decoding.stopping import StopChecker
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
 from sfi.eval.generation import GenerationScores, first_divergence, full_attention_scores
@@ -31,13 +34,10 @@ from sfi.eval.tasks import (
     make_sample,
     score,
 )
-from sfi.exact import ExactDecoder
-from sfi.hf import eos_token_ids
-from sfi.methods import Method, budget_tokens, build_cache, parse_method
-from sfi.prefill import prefill
-from sfi.prefix import SharedPrefill
-from sfi.slowfast_cache import SlowFastCache
-from sfi.stopping import StopChecker
+from sfi.hf.decode_cache import DecodeCache
+from sfi.hf.facts import eos_token_ids
+from sfi.hf.methods import Method, budget_tokens, build_cache, parse_method
+from sfi.hf.slowfast_cache import SlowFastCache
 
 WINDOW = 32  # SnapKV's observation window; SFI's evidence is the last 16 of these queries
 FIDELITY_TOKENS = 512
@@ -99,7 +99,7 @@ def greedy_continue(model: torch.nn.Module, cache: DecodeCache, shared: SharedPr
 @torch.inference_mode()
 def exact_continue(model: torch.nn.Module, cache: SlowFastCache, shared: SharedPrefill,
                    ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
-    """:func:`greedy_continue` in exact mode (``sfi.exact``): the same tokens as full
+    """:func:`greedy_continue` in exact mode (``sfi.decoding.exact``): the same tokens as full
     attention's, fast steps drafting them and dense forwards verifying."""
     shared.load(cache)
     checker = StopChecker(None, eos, max_tokens=max_new_tokens)

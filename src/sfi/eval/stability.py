@@ -21,17 +21,17 @@ from typing import Any
 
 import torch
 
-from sfi.config import SFIConfig
-from sfi.decode_step import decode_one
+from sfi.core.config import SFIConfig
+from sfi.core.memory_tensors import memory_mask
+from sfi.core.scorers import make_evidence
+from sfi.core.selector import SFISelector, top_k_positions
+from sfi.core.sequence_policy import Memory, refresh_memory
+from sfi.core.triggers import SentenceTrigger, make_trigger, observe, token_classes
+from sfi.decoding.decode_step import decode_one
+from sfi.decoding.prefill import prefill
 from sfi.errors import SFIError
-from sfi.eviction.layer import EvictionLayer
-from sfi.eviction.masked_cache import EvictionCache
-from sfi.memory_tensors import memory_mask
-from sfi.prefill import prefill
-from sfi.scorers import make_evidence
-from sfi.selector import SFISelector, top_k_positions
-from sfi.sequence_policy import Memory, refresh_memory
-from sfi.triggers import SentenceTrigger, make_trigger, observe, token_classes
+from sfi.hf.eviction.layer import EvictionLayer
+from sfi.hf.eviction.masked_cache import EvictionCache
 
 SINCE_BINS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sfi.decode import MODES
+from sfi.decoding.decode import MODES
+from sfi.decoding.prompts import chat_ids
 from sfi.errors import PromptError, SFIError
-from sfi.prompts import chat_ids
 from sfi.server.engine import Engine
 from sfi.server.guard import Access, Guard, is_loopback
 from sfi.server.requests import QueueFullError

@@ -8,7 +8,7 @@ of ``max_batch`` rows reserved at its start (``SlowFastCache.reserve``): a joini
 copied into a free row, a leaving one gives its row back (the batch is copied only when the
 slab needs more positions).
 Every sequence keeps its own SFI state, triggers and counters; a ``mode="full"`` request is a
-dense-only sequence in the same batch. ``mode="exact"`` requests (``sfi.exact``: full
+dense-only sequence in the same batch. ``mode="exact"`` requests (``sfi.decoding.exact``: full
 attention's tokens, drafted by fast steps) run in a second batch of their own
 (``sfi.server.lanes``): a loop iteration steps each batch once, the exact one by a round of
 drafts and a verify (a configuration's ``repair_tokens`` repairs the lossy batch's slow steps,
@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
-from sfi.config import SFIConfig
-from sfi.decode_stats import DecodeStats
-from sfi.decode_step import decode_one, sample_next
+from sfi.core.config import SFIConfig
+from sfi.core.decode_stats import DecodeStats
+from sfi.decoding.decode_step import decode_one, sample_next
 from sfi.errors import SFIError
-from sfi.hf import eos_token_ids
+from sfi.hf.facts import eos_token_ids
+from sfi.hf.slowfast_cache import SlowFastCache
 from sfi.runtime import give_back_freed_memory
 from sfi.server.lanes import MIN_CHUNK, Join, Lane, chunk_tokens, open_join
 from sfi.server.requests import (
@@ -43,7 +44,6 @@ from sfi.server.requests import (
     QueueFullError,
     kv_tokens,
 )
-from sfi.slowfast_cache import SlowFastCache
 
 __all__ = ["Engine", "EngineLimits"]
 log = logging.getLogger("sfi.server")

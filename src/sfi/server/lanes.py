@@ -1,7 +1,7 @@
 """The engine's running batches (lanes): one for ``"sfi"`` and ``"full"`` requests, which take
 one token per step, and one for ``"exact"`` requests, which take a round of exact mode per
-step (``sfi.exact``: fast steps draft, one dense forward verifies). A round commits the same
-number of positions for every row of its batch, so exact requests share a slab of their own.
+step (``sfi.decoding.exact``: fast steps draft, one dense forward verifies). A round commits the
+same number of positions for every row of its batch, so exact requests share a slab of their own.
 A joining request's prefill, chunk by chunk, is a :class:`Join` (:func:`open_join`).
 """
 
@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from sfi.config import SFIConfig
-from sfi.decode_step import Sampling
-from sfi.exact import Emitted, ExactDecoder, RoundCounts
-from sfi.methods import build_cache
-from sfi.prefill import chunk_end, prefill
+from sfi.core.config import SFIConfig
+from sfi.decoding.decode_step import Sampling
+from sfi.decoding.exact import Emitted, ExactDecoder, RoundCounts
+from sfi.decoding.prefill import chunk_end, prefill
+from sfi.decoding.stopping import StopChecker
+from sfi.hf.methods import build_cache
+from sfi.hf.slowfast_cache import SlowFastCache
 from sfi.server.requests import GenerationRequest
-from sfi.slowfast_cache import SlowFastCache
-from sfi.stopping import StopChecker
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Join:
 
     def next_end(self, tokens: int | None) -> int:
         """Where a next chunk of at most ``tokens`` (None: no bound) ends
-        (:func:`sfi.prefill.chunk_end`)."""
+        (:func:`sfi.decoding.prefill.chunk_end`)."""
         return chunk_end(self.prefilled, self.length, tokens, self.window)
 
 

@@ -9,12 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfi.config import SFIConfig
-from sfi.decode_stats import DecodeStats
-from sfi.decode_step import Sampling
+from sfi.core.config import SFIConfig
+from sfi.core.decode_stats import DecodeStats
+from sfi.decoding.decode_step import Sampling
+from sfi.decoding.exact import RoundCounts
+from sfi.decoding.stopping import StopChecker
 from sfi.errors import SFIError
-from sfi.exact import RoundCounts
-from sfi.stopping import StopChecker
 
 # events: ("delta", text) ... then ("done", request) or ("error", exception)
 EventSink = Callable[[str, Any], None]
@@ -33,7 +33,7 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    mode: str = "sfi"  # "sfi", "full" (dense) or "exact" (sfi.exact)
+    mode: str = "sfi"  # "sfi", "full" (dense) or "exact" (sfi.decoding.exact)
     config: SFIConfig | None = None
     on_event: EventSink | None = None
     id: int = field(default_factory=itertools.count().__next__)
@@ -122,7 +122,7 @@ class EngineMetrics:
     joins: int = 0  # sequences put into a running batch
     batch_copies: int = 0  # joins that copied the batch's slab
     exact_verify_steps: int = 0  # exact mode: sequence-verifies, drafts, accepted drafts,
-    exact_drafted: int = 0       # and sequence-steps taken densely (sfi.exact.RoundCounts)
+    exact_drafted: int = 0       # and sequence-steps taken densely (sfi.decoding.exact.RoundCounts)
     exact_accepted: int = 0
     exact_dense_steps: int = 0
     recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 
-from sfi.cost_model import slow_fast_layers, weight_positions
-from sfi.scorers.registry import make_scorer
-from sfi.triggers import token_classes
+from sfi.core.cost_model import slow_fast_layers, weight_positions
+from sfi.core.scorers.registry import make_scorer
+from sfi.core.triggers import token_classes
 from sfi.vllm.metadata import STOCK_ENTRY, SFIMetadata, layer_index, on_host
 from sfi.vllm.requests import RequestBook, blocks_per_slot, slot_capacity
 from sfi.vllm.settings import active_config, active_slots, plugin_state
@@ -192,7 +192,7 @@ class SFIBuilder:
         """Once per builder, at its first step with SFI on: refuse the engine settings SFI
         cannot run under (:func:`refuse_unsupported`; first, since a pipeline stage serves
         only some of the layers), then layers whose kind vLLM's KV cache spec (``full``, this
-        builder's) and the model's config (:func:`sfi.cost_model.slow_fast_layers`, the
+        builder's) and the model's config (:func:`sfi.core.cost_model.slow_fast_layers`, the
         request book's :attr:`RequestBook.layers`, where its probes go and a fast step's reads
         are counted) see differently."""
         if not self._engine_checked:
@@ -216,7 +216,7 @@ class SFIBuilder:
 def check_layers(served: Sequence[int], names: Sequence[str], full: bool) -> None:
     """Raise, naming them, where layers ``names`` that vLLM builds as attending over their
     whole context (``full``) or within a sliding window are not, or are, among ``served`` (the
-    layers the model's config gives SFI, :func:`sfi.cost_model.slow_fast_layers`): the
+    layers the model's config gives SFI, :func:`sfi.core.cost_model.slow_fast_layers`): the
     probes would be placed, and the reads counted, over layers that do not run SFI. A
     whole-context builder must also serve every one of ``served``: where vLLM splits them among
     several builders (KV cache or attention groups), each would plan the step again."""

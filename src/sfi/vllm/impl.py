@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from sfi.coverage import probe_page, unheld_pages
-from sfi.memory_tensors import MemoryTensors, memory_positions
-from sfi.overlap import Refresh
-from sfi.pages import PageSummaries
-from sfi.refresh_selection import SelectionGroup, SelectionRule, reads_keys
-from sfi.rows import Rows
+from sfi.core.coverage import probe_page, unheld_pages
+from sfi.core.memory_tensors import MemoryTensors, memory_positions
+from sfi.core.overlap import Refresh
+from sfi.core.pages import PageSummaries
+from sfi.core.refresh_selection import SelectionGroup, SelectionRule, reads_keys
+from sfi.core.rows import Rows
 from sfi.vllm.metadata import SFIMetadata, layer_index
 from sfi.vllm.paged import (
     CacheLayout,
@@ -58,7 +58,7 @@ def _store(layer: Any, impl: Any, cache: torch.Tensor, keys: torch.Tensor, value
 
 @dataclass
 class SlotCoverage:
-    """What a probe layer keeps of one slot's memory to check it (``sfi.coverage``).
+    """What a probe layer keeps of one slot's memory to check it (``sfi.core.coverage``).
 
     Attributes:
         pages: the request's page bounds and boxes (``[1, H, P, ...]``), kept from refresh to
@@ -192,7 +192,7 @@ class SFIImpl:
         their slots. A first selection (``select``: read fast at this very step) is made and
         packed at once; a slow step's refresh (read from the next step on) goes to the step's
         rebuilder, which selects the refreshes of all layers together when the step's last
-        layer has run (:class:`sfi.overlap.StackingRebuilder`, the transformers path's)."""
+        layer has run (:class:`sfi.core.overlap.StackingRebuilder`, the transformers path's)."""
         if not md.refreshing:
             return
         layout = _cache_layout(layer, self, kv_cache)

@@ -26,7 +26,7 @@ from vllm.distributed import (
 )
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from sfi.overlap import StackingRebuilder
+from sfi.core.overlap import StackingRebuilder
 from sfi.vllm.probes import ProbeLayer
 from sfi.vllm.requests import DENSE, FAST, SELECT, SLOW, RequestBook, RowPlan, slot_start
 from sfi.vllm.settings import plugin_state

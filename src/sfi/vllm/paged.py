@@ -23,18 +23,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sfi.kernels import attention_logits, capped_logits, evidence_bias, window_logits
-from sfi.memory_tensors import MemoryTensors
-from sfi.pages import PageSummaries
-from sfi.refresh_selection import (
+from sfi.core.kernels import attention_logits, capped_logits, evidence_bias, window_logits
+from sfi.core.memory_tensors import MemoryTensors
+from sfi.core.pages import PageSummaries
+from sfi.core.refresh_selection import (
     HeldSelection,
     PreviousSelection,
     SelectionRule,
     reads_keys,
     selection_inputs,
 )
-from sfi.scorers import Evidence, Scorer, key_norms_of
-from sfi.sequence_policy import Memory
+from sfi.core.scorers import Evidence, Scorer, key_norms_of
+from sfi.core.sequence_policy import Memory
 
 KeyLayout = None | str | torch.Tensor
 """How a kernel stores a block's ``bs * D`` key entries: None (``[bs, D]``), ``"dim-major"``
@@ -178,7 +178,7 @@ this many runs of consecutive blocks (one matrix product per run)."""
 def logits_in_place(half: torch.Tensor, block_row: torch.Tensor, total: int, q: torch.Tensor,
                     scale: float, softcap: float | None, layout: KeyLayout = None
                     ) -> torch.Tensor | None:
-    """``[H, G, T]``: the logits (:func:`sfi.kernels.attention_logits`) of ``q [H, G, D]`` (a
+    """``[H, G, T]``: the logits (:func:`sfi.core.kernels.attention_logits`) of ``q [H, G, D]`` (a
     decode row's G query heads per KV head) on positions ``[0, total)`` of the request whose
     blocks are ``block_row``, computed on the cache's blocks where they lie; None where they
     cannot be (then the caller reads the keys, :func:`read_prefix`).
@@ -186,9 +186,8 @@ def logits_in_place(half: torch.Tensor, block_row: torch.Tensor, total: int, q: 
     A slow step's dense attention reads every key once; these logits (the Selector's evidence)
     read them a second time. On the host, with keys stored ``[bs, D]`` or dim-major, each run
     of consecutive blocks is one batched product over the cache's own blocks (no copy of the
-    keys: a copy reads and writes them once more; with it a slow step at 16K measured 8-11%
-    longer). Not on a device (the block ids would have to be read back), with a permuted
-    layout, or over more than :data:`MAX_RUNS` runs.
+    keys: a copy would read and write them once more). Not on a device (the block ids would have
+    to be read back), with a permuted layout, or over more than :data:`MAX_RUNS` runs.
     """
     nb, h, bs, d = half.shape
     count = -(-total // bs)
@@ -334,7 +333,7 @@ def read_refresh(memory: Memory, queries: torch.Tensor, end: int,
 
 @dataclass(frozen=True)
 class WindowSelection:
-    """One selection's inputs (:func:`sfi.refresh_selection.select`) for the requests of one
+    """One selection's inputs (:func:`sfi.core.refresh_selection.select`) for the requests of one
     layer's refreshes that have the same number of evidence queries.
 
     Attributes:

@@ -1,10 +1,10 @@
-"""The vLLM plugin's coverage probes (``sfi.coverage``), checked once per step.
+"""The vLLM plugin's coverage probes (``sfi.core.coverage``), checked once per step.
 
 A probe layer only keeps what its check needs while the step runs (:class:`ProbeLayer`: its
 fast rows' queries, where its buffer and cache keep their keys, each row's page boxes and
 selection); after the step's last layer :func:`check_probes` checks every probe layer at once:
 the memories' log-sum-exp from the slots, the pages' bounds, the copy flags (``coverage_copy``)
-and the verdict (:func:`sfi.coverage.missing_rows`, the transformers path's, with a reader of
+and the verdict (:func:`sfi.core.coverage.missing_rows`, the transformers path's, with a reader of
 each layer's paged cache). The stock kernel gives no log-sum-exp, so the memories' logits are
 computed again from the slots. Done for all probe layers together, most of the small tensor
 operations run once per step instead of once per probe layer (on CPU their fixed costs
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from sfi.coverage import KeyReader, copy_runs_out, missing_rows, page_scores, probe_page
-from sfi.kernels import attention_logits
-from sfi.memory_tensors import MemoryTensors
+from sfi.core.coverage import KeyReader, copy_runs_out, missing_rows, page_scores, probe_page
+from sfi.core.kernels import attention_logits
+from sfi.core.memory_tensors import MemoryTensors
 from sfi.vllm.paged import KeyLayout, read_blocks, read_positions
 
 
@@ -98,12 +98,12 @@ def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
 
 
 def _reader(layer: ProbeLayer, blocks: torch.Tensor) -> KeyReader:
-    """The layer's :data:`sfi.coverage.KeyReader` of the fast rows (their ``blocks``)."""
+    """The layer's :data:`sfi.core.coverage.KeyReader` of the fast rows (their ``blocks``)."""
     return lambda positions: read_positions(layer.cache_keys, blocks, positions, layer.layout)
 
 
 def _scores(layers: Sequence[ProbeLayer], query: torch.Tensor) -> torch.Tensor:
-    """``[L n, H, P]`` the page scores (:func:`sfi.coverage.page_scores`) of ``query [L, n, H,
+    """``[L n, H, P]`` the page scores (:func:`sfi.core.coverage.page_scores`) of ``query [L, n, H,
     G, D]``, row by row over the layers (each request's boxes are its own tensors; P the most
     pages of any), -inf past a row's pages."""
     nl, n, h = query.shape[:3]
@@ -128,7 +128,7 @@ def _pad_pages(t: torch.Tensor, count: int) -> torch.Tensor:
 
 def _copies(layers: Sequence[ProbeLayer], plans: Sequence[Any], logits: torch.Tensor,
             lse: torch.Tensor, share: float) -> torch.Tensor:
-    """``[n]`` bool: :func:`sfi.coverage.copy_runs_out` of the fast rows ``plans`` at some of
+    """``[n]`` bool: :func:`sfi.core.coverage.copy_runs_out` of the fast rows ``plans`` at some of
     ``layers``, whose ``logits [L n, H, G, S]`` over their slots (sinks, then the selected
     positions, then the recent window) have the log-sum-exp ``lse [L n, H, G]``. Only the
     selected slots are held, so only their positions are written (the others are never

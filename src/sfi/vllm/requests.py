@@ -7,7 +7,7 @@ tensor-parallel rank sees the same block tables and lengths; the one thing ranks
 what their probes find in their own KV heads, which the glue ORs over the ranks before each
 step's decisions, so every rank decides the same.
 
-The decisions mirror :class:`sfi.planner.Planner` for one sequence without padding:
+The decisions mirror :class:`sfi.hf.planner.Planner` for one sequence without padding:
 - a prefill chunk (several query tokens) attends densely and records its last W queries, the
   evidence of the first selection;
 - a decode row whose context is too short for sparse reads to pay (``SFIConfig.sparse_pays``)
@@ -38,11 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sfi.config import SFIConfig
-from sfi.coverage import probe_layers
-from sfi.errors import SFIConfigError
-from sfi.scorers import Scorer
-from sfi.sequence_policy import (
+from sfi.core.config import SFIConfig
+from sfi.core.coverage import probe_layers
+from sfi.core.scorers import Scorer
+from sfi.core.sequence_policy import (
     DENSE,
     FAST,
     SLOW,
@@ -54,7 +53,8 @@ from sfi.sequence_policy import (
     record_step,
     sparse_pays,
 )
-from sfi.triggers import BOOTSTRAP, TokenClasses, make_trigger
+from sfi.core.triggers import BOOTSTRAP, TokenClasses, make_trigger
+from sfi.errors import SFIConfigError
 
 SELECT = "select"  # the first decode step after a prompt: select from it, then read fast
 CAPACITY = "capacity"
@@ -156,10 +156,10 @@ class RequestBook:
         scorer: what ranks positions at a refresh.
         classes: the vocabulary's sentence enders and blanks (the sentence trigger needs them).
         layers: the model indices of the layers SFI serves
-            (:func:`sfi.cost_model.slow_fast_layers`): where the coverage probes go
+            (:func:`sfi.core.cost_model.slow_fast_layers`): where the coverage probes go
             (:attr:`probes`) and what a fast step's reads are counted over.
         weight_positions: the model's weights in KV positions, the cost model's W
-            (``sfi.cost_model.weight_positions``, ``SFIConfig.min_gain``).
+            (``sfi.core.cost_model.weight_positions``, ``SFIConfig.min_gain``).
     """
 
     def __init__(self, config: SFIConfig, slots: int, capacity: int, scorer: Scorer,
@@ -259,8 +259,8 @@ class RequestBook:
             self.free.append(state.slot)
 
     def _decide(self, row: int, state: RequestState, q: int, t: int, token: int) -> RowPlan:
-        """Decide one row and record it (:func:`sfi.sequence_policy.record_step`, as the planner
-        records a step): the plugin has no hook after the step, and nothing the step does
+        """Decide one row and record it (:func:`sfi.core.sequence_policy.record_step`, as the
+        planner records a step): the plugin has no hook after the step, and nothing the step does
         changes its decision (a probe's flag counts from the next step, as in the planner)."""
         c, seq = self.config, state.seq
         if state.slot is None:  # no room for a memory: stock attention throughout

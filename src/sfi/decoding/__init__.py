@@ -1,0 +1,2 @@
+"""The decode loops over a transformers model: prompts, prefill, one step's model call and its
+token, stopping, ``sfi.generate``, exact mode and the compiled step."""
