@@ -415,8 +415,9 @@ def reader(keys: torch.Tensor):
 
 
 def test_a_memory_missing_a_heavy_page_is_flagged():
-    from sfi.core.coverage import CoverageChecks, page_scores, probe_layers, unheld_pages
+    from sfi.core.coverage import page_scores, probe_layers, unheld_pages
     from sfi.core.pages import page_bounds, page_boxes
+    from sfi.hf.coverage_checks import CoverageChecks
 
     g = torch.Generator().manual_seed(9)
     n, h, gq, d, page, pages = 2, 2, 3, 8, 4, 10
@@ -557,7 +558,7 @@ def test_copy_flags_are_kept_apart_and_never_redo_a_step():
     """The rows :func:`copy_runs_out` flags come back apart from the pages' misses, and with
     ``coverage_retry`` a copy flag refreshes the next step, as without it: the step it was
     raised in was served (its source is held), so it is not done again."""
-    from sfi.core.coverage import CoverageChecks
+    from sfi.hf.coverage_checks import CoverageChecks
 
     checks = CoverageChecks()
     h, g, d, t, page = 1, 1, 4, 32, 4

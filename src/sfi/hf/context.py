@@ -14,7 +14,7 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfi.core.coverage import CoverageChecks
+from sfi.hf.coverage_checks import CoverageChecks
 
 
 @dataclass
