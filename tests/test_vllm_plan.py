@@ -6,7 +6,7 @@ The plugin inside a running vLLM engine is tested in ``tests_vllm/`` (its own en
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -191,8 +191,7 @@ def test_the_plugins_slots_are_set_in_sfi_vllm():
         parse_settings("repair_tokens=96")
     with pytest.raises(SFIConfigError, match="retry_margin runs a step or positions again"):
         parse_settings("retry_margin=0.1")
-    with pytest.raises(SFIConfigError, match="coverage_next is a probe of the transformers"):
-        parse_settings("coverage_next=true")
+    assert parse_settings("coverage_next=true")[0].coverage_next  # both engines' probe
     assert parse_settings("coverage_copy=0.5")[0].coverage_copy == 0.5  # both engines' probe
     assert not parse_settings("coverage_retry=false")[0].coverage_retry
     try:
@@ -476,6 +475,31 @@ def test_a_coverage_miss_refreshes_after_the_gap_as_in_the_planner():
     assert [(p.kind, p.reason) for p in plans] == [(FAST, None), (SLOW, "coverage")]
 
 
+def test_the_plugin_takes_every_option_but_those_that_run_a_step_again():
+    """Each engine's list: the vLLM plugin accepts every ``SFIConfig`` field by name but exact
+    mode's drafts (refused by name even at their defaults) and the options that run a step or
+    positions again (refused by name when on: vLLM schedules each step once)."""
+    from sfi.vllm.settings import EXACT_FIELDS, REDO_FIELDS, parse_settings
+
+    assert set(EXACT_FIELDS) == {"draft_tokens", "draft_min", "draft_max", "draft_fallback"}
+    assert set(REDO_FIELDS) == {"coverage_retry", "retry_margin", "repair_tokens"}
+    config = SFIConfig()
+    for field in fields(SFIConfig):
+        value = getattr(config, field.name)
+        if value is None:  # unset (k_fraction beside k_head): nothing to name
+            continue
+        text = f"{field.name}={str(value).lower() if isinstance(value, bool) else value}"
+        if field.name in EXACT_FIELDS:
+            with pytest.raises(SFIConfigError, match=field.name):
+                parse_settings(text)
+        else:
+            assert getattr(parse_settings(text)[0], field.name) == value, field.name
+    on = {"coverage_retry": "true", "retry_margin": "0.1", "repair_tokens": "64"}
+    for name, value in on.items():
+        with pytest.raises(SFIConfigError, match=f"{name} runs a step or positions again"):
+            parse_settings(f"{name}={value}")
+
+
 def test_sfi_vllm_is_parsed_strictly():
     config = parse_config("k_head=512, trigger=fixed, period=16")
     assert (config.k_head, config.period, config.trigger) == (512, 16, "fixed")
@@ -542,7 +566,13 @@ def test_probe_layers_scored_together_equal_each_layer_alone():
 def _probe_alone(layer, md, c):
     """One probe layer's flags checked alone, with the shared primitives (what the plugin did
     in each probe layer before its probes were checked together)."""
-    from sfi.core.coverage import copy_runs_out, page_scores, pages_miss, probe_page
+    from sfi.core.coverage import (
+        copy_runs_out,
+        page_scores,
+        pages_miss,
+        probe_page,
+        with_next_pages,
+    )
     from sfi.core.kernels import attention_logits
     from sfi.core.memory_tensors import MemoryTensors
     from sfi.vllm.paged import read_blocks, read_positions
@@ -557,21 +587,25 @@ def _probe_alone(layer, md, c):
     for i in range(n):
         scores[i, :, : layer.boxes[i].shape[2]] = page_scores(q[i: i + 1], layer.boxes[i],
                                                              layer.outside[i])[0]
+    memories = [p.memory for p in plans]
+    width = max(m.sink_count + m.k for m in memories)
+    positions = torch.full((n, h, width), -1, dtype=torch.long)
+    for r, m in enumerate(memories):
+        positions[r, :, m.sink_count: m.sink_count + m.k] = layer.selected[r]
+    at = MemoryTensors.of(memories, "cpu")
+    held = at.selected_slots(width, at.sink_count)
+    raised = None
+    if c.coverage_next:
+        scores, raised = with_next_pages(scores, logits[..., :width], positions, held,
+                                         page=probe_page(c))
     blocks = md.block_table.index_select(0, torch.tensor([p.row for p in plans]))
     found = pages_miss(q, scores, lse,
                        lambda pos: read_positions(layer.cache_keys, blocks, pos, layer.layout),
                        page=probe_page(c), top=c.coverage_top, threshold=c.coverage_threshold,
                        scale=layer.scale, softcap=layer.softcap,
-                       length=torch.tensor([p.total for p in plans]))
+                       length=torch.tensor([p.total for p in plans]), raised=raised)
     if c.coverage_copy:
-        memories = [p.memory for p in plans]
-        width = max(m.sink_count + m.k for m in memories)
-        positions = torch.full((n, h, width), -1, dtype=torch.long)
-        for r, m in enumerate(memories):
-            positions[r, :, m.sink_count: m.sink_count + m.k] = layer.selected[r]
-        at = MemoryTensors.of(memories, "cpu")
-        found = found | copy_runs_out(logits[..., :width], lse, positions,
-                                      at.selected_slots(width, at.sink_count), at.hi,
+        found = found | copy_runs_out(logits[..., :width], lse, positions, held, at.hi,
                                       share=c.coverage_copy)
     return found
 
@@ -580,7 +614,8 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
     """``sfi.vllm.probes.check_probes`` (every probe layer of a step at once, after its last
     layer) flags the slots that checking each layer alone flags: rows of different lengths
     and page counts, several probe layers of different scales and caps (checked in groups),
-    with and without ``coverage_copy``, at thresholds that flag many rows and few."""
+    with and without ``coverage_copy`` and ``coverage_next``, at thresholds that flag many rows
+    and few."""
     import random
     from types import SimpleNamespace
 
@@ -591,7 +626,7 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
     rng = random.Random(0)
     bs, per_slot, h, gq, d, page, slots, blocks = 4, 6, 2, 2, 8, 4, 4, 64
     flagged = checked = 0
-    for _ in range(16):
+    for _ in range(96):  # enough trials that a raised page decides some verdicts
         n, nl = rng.randint(1, 3), rng.randint(1, 4)
         used = rng.sample(range(slots), n)
         plans = []
@@ -603,7 +638,8 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
                                                     per_slot * bs)))
         c = SimpleNamespace(page_size=page, coverage_top=rng.randint(1, 3),
                             coverage_threshold=rng.choice([0.05, 0.5, 0.9]),
-                            coverage_copy=rng.choice([0, 0.5, 0.9]))
+                            coverage_copy=rng.choice([0, 0.5, 0.9]),
+                            coverage_next=rng.random() < 0.5)
         md = SimpleNamespace(
             fast_plans=plans, block_table=torch.stack([torch.randperm(blocks)[:16]
                                                        for _ in range(n)]),

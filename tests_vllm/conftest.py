@@ -43,6 +43,8 @@ COVERAGE = replace(SENTENCE, coverage_layers=8)
 # the copy probe alone (the pages' probe never flags at a threshold of 1): on these prompts it
 # flags 3 memories in the transformers path
 COPY = replace(COVERAGE, coverage_threshold=1.0, coverage_copy=0.1)
+# the next-page probe: the page after each KV head's most attended selected position read too
+NEXT = replace(COVERAGE, coverage_next=True)
 # the mechanisms the plugin once refused: a pinned quarter of K, hysteresis, a dense first layer
 PINNED = replace(COVERAGE, pin_fraction=0.25, hysteresis=0.5, dense_layers=1)
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import COPY, COVERAGE, DEVICE, ENGINE, PINNED, SENTENCE, SFI, generate
+from conftest import COPY, COVERAGE, DEVICE, ENGINE, NEXT, PINNED, SENTENCE, SFI, generate
 
 from sfi.vllm import backend
 from sfi.vllm.backend import SFIImpl, SFIMetadata
@@ -149,9 +149,9 @@ def full_48(smol, essay_prompts):
     return model, tokenizer, texts, generate(smol, essay_prompts, None, max_tokens=48), full
 
 
-@pytest.mark.parametrize("config", [SFI, SENTENCE, COVERAGE, COPY, PINNED],
+@pytest.mark.parametrize("config", [SFI, SENTENCE, COVERAGE, COPY, NEXT, PINNED],
                          ids=["fixed", "sentence", "sentence+coverage", "coverage_copy",
-                              "pins+hysteresis+dense"])
+                              "coverage_next", "pins+hysteresis+dense"])
 def test_same_tokens_as_the_transformers_path(smol, essay_prompts, full_48, config):
     """Where stock vLLM and transformers' full attention agree, vLLM + SFI and sfi.generate
     agree with the same configuration (the sentence trigger sees the same input tokens). On

@@ -202,7 +202,7 @@ class SFIConfig:
     selected position its fast step attends to most, where the memory holds nothing of that
     page (beside the ``coverage_top`` pages the bound ranks): a copy that runs past the end of
     what the memory holds (the first digits of a number held, the rest not) is caught as it
-    leaves it (transformers path)."""
+    leaves it (both engines)."""
     coverage_copy: float = 0.5
     """Coverage probes: a fast step in which a query head of a probe layer gives more than this
     share of its attention to its most attended selected position, and the memory does not

@@ -169,7 +169,7 @@ def with_next_pages(scores: torch.Tensor, memory_logits: torch.Tensor, memory: t
         held: ``[n, C]`` bool, the slots holding a selected position (not the sinks).
         shift: ``[n]`` where each row's pages start (None: at position 0).
     """
-    if memory_logits.shape[-1] == 0:  # no compact slot: no most attended position
+    if memory_logits.shape[-1] == 0 or scores.shape[-1] == 0:  # no slot, or no page to raise
         return scores, torch.zeros(scores.shape[:2], dtype=torch.bool, device=scores.device)
     weight = torch.logsumexp(memory_logits, dim=2).masked_fill(~held[:, None, :],
                                                                float("-inf"))  # [n, H, C]
@@ -177,10 +177,12 @@ def with_next_pages(scores: torch.Tensor, memory_logits: torch.Tensor, memory: t
     position = memory.gather(-1, best)
     if shift is not None:
         position = position + shift[:, None, None]
-    following = (position // page + 1).clamp(max=scores.shape[-1] - 1)  # [n, H, 1]
+    following = position // page + 1  # [n, H, 1]
+    exists = following < scores.shape[-1]  # past the last page: nothing to raise
+    following = following.clamp(max=scores.shape[-1] - 1)
     current = scores.gather(-1, following)
     first = torch.finfo(scores.dtype).max
-    raised = torch.isfinite(current) & torch.isfinite(weight.gather(-1, best))  # [n, H, 1]
+    raised = exists & torch.isfinite(current) & torch.isfinite(weight.gather(-1, best))
     ranked = torch.where(raised, torch.full_like(current, first), current)
     return scores.scatter(-1, following, ranked), raised[..., 0]
 

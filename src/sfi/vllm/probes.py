@@ -1,16 +1,16 @@
 """The vLLM plugin's coverage probes (``sfi.core.coverage``), checked once per step.
 
-A probe layer only keeps what its check needs while the step runs (:class:`ProbeLayer`: its
-fast rows' queries, where its buffer and cache keep their keys, each row's page boxes and
-selection); after the step's last layer :func:`check_probes` checks every probe layer at once:
-the memories' log-sum-exp from the slots, the pages' bounds, the copy flags (``coverage_copy``)
-and the verdict (:func:`sfi.core.coverage.missing_rows`, the transformers path's, with a reader of
-each layer's paged cache). The stock kernel gives no log-sum-exp, so the memories' logits are
+A probe layer only keeps what its check needs while the step runs (:class:`ProbeLayer`: its fast
+rows' queries, where its buffer and cache keep their keys, each row's page boxes and selection);
+after the step's last layer :func:`check_probes` checks every probe layer at once: the memories'
+log-sum-exp from the slots, the pages' bounds (with ``coverage_next``, the page after each KV
+head's most attended selected position ranked first), the copy flags (``coverage_copy``) and the
+verdict (:func:`sfi.core.coverage.missing_rows`, the transformers path's, with a reader of each
+layer's paged cache). The stock kernel gives no log-sum-exp, so the memories' logits are
 computed again from the slots. Done for all probe layers together, most of the small tensor
-operations run once per step instead of once per probe layer (on CPU their fixed costs
-outweigh their arithmetic); each layer's slot-key gather, product and best pages' read stay
-its own. The flags stay where the model runs: the next step's plan reads them in its one
-transfer.
+operations run once per step instead of once per probe layer (on CPU their fixed costs outweigh
+their arithmetic); each layer's slot-key gather, product and best pages' read stay its own. The
+flags stay where the model runs: the next step's plan reads them in its one transfer.
 
 Shapes: L probe layers, n fast rows, H KV heads, G query heads per KV head, D head size,
 P pages, S slot entries.
@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-from sfi.core.coverage import KeyReader, copy_runs_out, missing_rows, page_scores, probe_page
+from sfi.core.coverage import (
+    KeyReader,
+    copy_runs_out,
+    missing_rows,
+    page_scores,
+    probe_page,
+    with_next_pages,
+)
 from sfi.core.kernels import attention_logits
 from sfi.core.memory_tensors import MemoryTensors
 from sfi.vllm.paged import KeyLayout, read_blocks, read_positions
@@ -86,14 +93,23 @@ def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
     unwritten = torch.arange(logits.shape[-1], device=device) >= lengths[:, None]
     lse = torch.logsumexp(logits.masked_fill(unwritten[:, None, None], float("-inf")), -1)
     scores = _scores(layers, q.view(nl, n, *q.shape[1:]))  # [L n, H, P]
+    raised = None
+    if c.coverage_next or c.coverage_copy:
+        selected, held, hi = _selected_slots(layers, plans, device)
+        width = selected.shape[-1]
+    if c.coverage_next:  # the page after the most attended selected position, read first
+        scores, raised = with_next_pages(scores, logits[..., :width], selected, held,
+                                         page=probe_page(c))
     rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
     blocks = md.block_table.index_select(0, rows)
     found = missing_rows(q, scores, [_reader(layer, blocks) for layer in layers], lse,
                          page=probe_page(c), top=c.coverage_top,
                          threshold=c.coverage_threshold, scale=scale, softcap=softcap,
-                         length=torch.tensor([p.total for p in plans], device=device))
+                         length=torch.tensor([p.total for p in plans], device=device),
+                         raised=raised)
     if c.coverage_copy:  # flagged whatever the pages say
-        found = found | _copies(layers, plans, logits, lse, c.coverage_copy)
+        found = found | copy_runs_out(logits[..., :width], lse, selected, held, hi,
+                                      share=c.coverage_copy).view(nl, n).any(dim=0)
     return found
 
 
@@ -126,16 +142,18 @@ def _pad_pages(t: torch.Tensor, count: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(*t.shape[:2], missing, *t.shape[3:])], dim=2)
 
 
-def _copies(layers: Sequence[ProbeLayer], plans: Sequence[Any], logits: torch.Tensor,
-            lse: torch.Tensor, share: float) -> torch.Tensor:
-    """``[n]`` bool: :func:`sfi.core.coverage.copy_runs_out` of the fast rows ``plans`` at some of
-    ``layers``, whose ``logits [L n, H, G, S]`` over their slots (sinks, then the selected
-    positions, then the recent window) have the log-sum-exp ``lse [L n, H, G]``. Only the
-    selected slots are held, so only their positions are written (the others are never
-    read)."""
+def _selected_slots(layers: Sequence[ProbeLayer], plans: Sequence[Any], device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fast rows' selected slots at each of ``layers``, as the copy and next-page rules of
+    :mod:`sfi.core.coverage` read them: ``positions [L n, H, W]`` (the slots up to the last
+    selected one, W = the most sinks + k of any row: sinks, then the selected positions; only
+    the selected are written, -1 elsewhere, as only they are read), ``held [L n, W]`` (the
+    slots holding a selected position) and ``hi [L n]`` (where each row's recent window
+    starts)."""
     memories = [p.memory for p in plans]
     width = max(m.sink_count + m.k for m in memories)
-    nl, n, h, device = len(layers), len(plans), logits.shape[1], logits.device
+    nl, n = len(layers), len(plans)
+    h = layers[0].query.shape[1]
     positions = torch.full((nl, n, h, width), -1, dtype=torch.long, device=device)
     for j, layer in enumerate(layers):
         for row, memory in enumerate(memories):
@@ -143,6 +161,4 @@ def _copies(layers: Sequence[ProbeLayer], plans: Sequence[Any], logits: torch.Te
                 layer.selected[row]
     geometry = MemoryTensors.of(memories, device)
     held = geometry.selected_slots(width, geometry.sink_count).repeat(nl, 1)
-    flags = copy_runs_out(logits[..., :width], lse, positions.view(nl * n, h, width), held,
-                          geometry.hi.repeat(nl), share=share)
-    return flags.view(nl, n).any(dim=0)
+    return positions.view(nl * n, h, width), held, geometry.hi.repeat(nl)

@@ -16,8 +16,6 @@ DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries 
 EXACT_FIELDS = ("draft_tokens", "draft_min", "draft_max", "draft_fallback")  # sfi.decoding.exact's
 #: fields whose behaviour is the transformers path's alone: a step, or positions, run again
 REDO_FIELDS = ("coverage_retry", "retry_margin", "repair_tokens")
-#: fields the plugin's coverage probes do not implement
-PROBE_FIELDS = ("coverage_next",)
 
 
 def parse_config(spec: str) -> SFIConfig:
@@ -57,16 +55,12 @@ def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
 
 
 def refuse_transformers_only(config: SFIConfig, where: str = "") -> None:
-    """Refuse, naming it, a field of :data:`REDO_FIELDS` or :data:`PROBE_FIELDS` that
-    ``config`` turns on (the transformers path's alone)."""
+    """Refuse, naming it, a field of :data:`REDO_FIELDS` that ``config`` turns on (the
+    transformers path's alone)."""
     redo = [name for name in REDO_FIELDS if getattr(config, name)]
     if redo:
         raise SFIConfigError(f"{where}{', '.join(redo)} runs a step or positions again, which "
                              "the vLLM plugin does not (vLLM schedules each step once)")
-    probe = [name for name in PROBE_FIELDS if getattr(config, name)]
-    if probe:
-        raise SFIConfigError(f"{where}{', '.join(probe)} is a probe of the transformers path "
-                             "that the vLLM plugin's coverage probes do not run")
 
 
 @dataclass
