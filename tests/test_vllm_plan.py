@@ -577,9 +577,10 @@ def _probe_alone(layer, md, c):
     from sfi.core.memory_tensors import MemoryTensors
     from sfi.vllm.paged import read_blocks, read_positions
 
-    plans, q = md.fast_plans, layer.query
+    plans, q = md.step.fast_plans, layer.query
     n, h = q.shape[:2]
-    logits = attention_logits(q, read_blocks(layer.memory_keys, md.fast_blocks, layer.layout),
+    logits = attention_logits(q, read_blocks(layer.memory_keys, md.step.fast_blocks,
+                                             layer.layout),
                               layer.scale, layer.softcap)
     unwritten = torch.arange(logits.shape[-1]) >= torch.tensor([p.length for p in plans])[:, None]
     lse = torch.logsumexp(logits.masked_fill(unwritten[:, None, None], float("-inf")), -1)
@@ -640,13 +641,13 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
                             coverage_threshold=rng.choice([0.05, 0.5, 0.9]),
                             coverage_copy=rng.choice([0, 0.5, 0.9]),
                             coverage_next=rng.random() < 0.5)
-        md = SimpleNamespace(
-            fast_plans=plans, block_table=torch.stack([torch.randperm(blocks)[:16]
-                                                       for _ in range(n)]),
+        step = SimpleNamespace(
+            fast_plans=plans, fast_slot_index=torch.tensor(used),
             fast_blocks=torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]
-                                      for p in plans]),
-            fast_slot_index=torch.tensor(used),
-            book=SimpleNamespace(config=c, missed=torch.zeros(slots, dtype=torch.bool)))
+                                      for p in plans]))
+        md = SimpleNamespace(step=step, book=SimpleNamespace(config=c),
+                             block_table=torch.stack([torch.randperm(blocks)[:16]
+                                                      for _ in range(n)]))
         layers = []
         for _ in range(nl):
             boxes, outside, selected = [], [], []
@@ -662,10 +663,9 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
                                      torch.randn(blocks, h, bs, d), None, tuple(boxes),
                                      tuple(outside), tuple(selected),
                                      rng.choice([0.3, 0.5]), rng.choice([None, 5.0])))
-        expected = torch.zeros(slots, dtype=torch.bool)
+        expected = torch.zeros(n, dtype=torch.bool)
         for layer in layers:
-            expected[md.fast_slot_index] |= _probe_alone(layer, md, c)
-        check_probes(layers, md)
-        assert torch.equal(md.book.missed, expected)
+            expected |= _probe_alone(layer, md, c)
+        assert torch.equal(check_probes(layers, md), expected)
         flagged, checked = flagged + int(expected.sum()), checked + n
     assert flagged > 4 and checked - flagged > 4, (flagged, checked)  # both verdicts seen

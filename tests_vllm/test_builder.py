@@ -127,7 +127,7 @@ def test_a_step_whose_refreshes_were_never_packed_is_refused():
     with SFI's metadata, the next step refuses to plan (its fast rows would read stale slots)."""
     from sfi.core.overlap import StackingRebuilder
     from sfi.core.scorers.registry import make_scorer
-    from sfi.vllm.metadata import check_packed
+    from sfi.vllm.planning import check_packed
     from sfi.vllm.requests import RequestBook, slot_capacity
 
     config = SFIConfig(trigger="fixed", period=8, coverage_layers=0)
@@ -216,3 +216,21 @@ def test_the_bench_warms_each_engine_up_untimed_before_its_first_cell(monkeypatc
         assert decoded == [(warm, True), (1024, True), (2048, True), (warm, False),
                            (1024, False), (2048, False)]
     assert [row["step_ms"] for row in result["rows"]] == [50.0] * 4  # the warm-ups' 1 s: out
+
+
+def test_a_steps_metadata_is_frozen_once_planned():
+    """The impl reads the plan and fills the step's work; nothing rewrites the metadata once
+    it is planned."""
+    from sfi.vllm.metadata import PlannedStep, SFIMetadata
+
+    md = SFIMetadata(common=None, builder=None, book=None, key_column=torch.zeros(1),
+                     query_lens=[1], seq_lens=[8], query_start=[0, 1],
+                     block_table=torch.zeros(1, 1))
+    md.input_ids = torch.tensor([3])  # before the plan: the model attaches its tokens
+    md.step = PlannedStep(keys=[0], seq_lens=[8], plans=[], refreshing=[], recording=[])
+    assert md.planned
+    with pytest.raises(AttributeError, match="frozen once planned"):
+        md.input_ids = None
+    with pytest.raises(AttributeError, match="frozen once planned"):
+        md.step = None
+    md.work.probes.append("a probe layer")  # the step's scratch is an object of its own

@@ -76,9 +76,9 @@ def poisoned_fast_steps() -> Iterator[list[str]]:
     poisoned: list[str] = []
 
     def forward(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs):
-        if isinstance(md, SFIMetadata) and all(p.kind == FAST for p in md.plans):
+        if isinstance(md, SFIMetadata) and all(p.kind == FAST for p in md.step.plans):
             bs = kv_cache.shape[2]
-            for plan in md.plans:
+            for plan in md.step.plans:
                 blocks = md.block_table[plan.row][: -(-plan.total // bs)].long()
                 kv_cache[blocks] = torch.randn_like(kv_cache[blocks]) * 10
             poisoned.append(layer.layer_name)
@@ -188,13 +188,14 @@ def host_reads_per_step() -> Iterator[list[tuple[SFIMetadata, list[str]]]]:
     """Each SFI step's metadata and the reads of a tensor's values into Python that sfi's
     code makes during it (on a GPU each waits for the device, which vLLM's async scheduling
     would otherwise keep busy)."""
-    steps: list[tuple[SFIMetadata, list[str]]] = []
-    plan = SFIMetadata.plan
+    from sfi.vllm import planning
 
-    def planning(self):
-        if not self.planned:
-            steps.append((self, []))
-        return plan(self)
+    steps: list[tuple[SFIMetadata, list[str]]] = []
+    plan_step = planning.plan_step
+
+    def counted(md):
+        steps.append((md, []))
+        return plan_step(md)
 
     def counting(name):
         original = getattr(torch.Tensor, name)
@@ -209,7 +210,7 @@ def host_reads_per_step() -> Iterator[list[tuple[SFIMetadata, list[str]]]]:
         return read
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SFIMetadata, "plan", planning)
+        patch.setattr(planning, "plan_step", counted)
         for name in HOST_READS:
             patch.setattr(torch.Tensor, name, counting(name))
         yield steps
@@ -221,7 +222,8 @@ def test_a_fast_step_reads_the_device_once(smol, essay_prompts):
     batch and the number of probe layers."""
     with host_reads_per_step() as steps:
         generate(smol, essay_prompts, COVERAGE, max_tokens=24)
-    fast = [reads for md, reads in steps if md.plans and all(p.kind == FAST for p in md.plans)]
+    fast = [reads for md, reads in steps
+            if md.step.plans and all(p.kind == FAST for p in md.step.plans)]
     assert len(fast) >= 5 and stats().reasons.get("coverage", 0) >= 1  # probes flagged
     assert all(len(reads) == 1 for reads in fast), fast[0]
 

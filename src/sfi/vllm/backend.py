@@ -38,6 +38,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from sfi.vllm.builder import SFIBuilder
 from sfi.vllm.impl import SFIImpl
 from sfi.vllm.metadata import STOCK_ENTRY, TOKEN_ARCHITECTURES, SFIMetadata, book
+from sfi.vllm.planning import plan
 from sfi.vllm.settings import active_config
 
 __all__ = ["STOCK_ENTRY", "TOKEN_ARCHITECTURES", "SFIBuilder", "SFIImpl", "SFIMetadata", "book",
@@ -80,7 +81,7 @@ def _attach_input_ids(model: Any, input_ids: torch.Tensor | None) -> None:
         for md in part.values() if isinstance(part, dict) else [part]:
             if isinstance(md, SFIMetadata) and not md.planned:
                 md.input_ids = input_ids
-                md.plan()
+                plan(md)
 
 
 def _recording(model_class: type, stock_entry: Any) -> type:

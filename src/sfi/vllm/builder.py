@@ -22,6 +22,7 @@ from sfi.core.cost_model import slow_fast_layers, weight_positions
 from sfi.core.scorers.registry import make_scorer
 from sfi.core.triggers import token_classes
 from sfi.vllm.metadata import STOCK_ENTRY, SFIMetadata, layer_index, on_host
+from sfi.vllm.planning import plan
 from sfi.vllm.requests import RequestBook, blocks_per_slot, slot_capacity
 from sfi.vllm.settings import active_config, active_slots, plugin_state
 
@@ -165,7 +166,7 @@ class SFIBuilder:
                          query_start=starts, block_table=block_table,
                          last_layer=max(layer_index(name) for name in self.layer_names))
         if not self._model_plans():  # no input ids will come: nothing to wait for
-            md.plan()
+            plan(md)
         return md
 
     def _model_plans(self) -> bool:

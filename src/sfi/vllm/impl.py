@@ -24,7 +24,7 @@ from sfi.core.overlap import Refresh
 from sfi.core.pages import PageSummaries
 from sfi.core.refresh_selection import SelectionGroup, SelectionRule, reads_keys
 from sfi.core.rows import Rows
-from sfi.vllm.metadata import SFIMetadata, layer_index
+from sfi.vllm.metadata import PlannedStep, SFIMetadata, layer_index
 from sfi.vllm.paged import (
     CacheLayout,
     empty_like_cache,
@@ -116,8 +116,8 @@ class SFIImpl:
         if not isinstance(md, SFIMetadata):
             return stock(layer, query, key, value, kv_cache, md, output, output_scale,
                          output_block_scale)
-        requests = md.book
-        if not md.planned:
+        requests, step = md.book, md.step
+        if step is None:
             raise RuntimeError(
                 "sfi.vllm: a step reached an attention layer unplanned: neither the model's "
                 "forward (sfi's recording class) nor the metadata builder planned it")
@@ -126,27 +126,27 @@ class SFIImpl:
         if self.layer_idx < requests.config.dense_layers:
             # one of the first dense_layers layers: every row reads vLLM's cache, none selects
             # (as in the transformers path, whose memories at these layers are never read)
-            stock(layer, query, key, value, kv_cache, md.stock, output)
+            stock(layer, query, key, value, kv_cache, step.stock, output)
             return self._finish(md, output)
         self._ensure_buffers(requests, md, kv_cache, query)
-        self._record_prompt_queries(md, query)
-        if md.fast is None:
-            stock(layer, query, key, value, kv_cache, md.stock, output)
-        elif md.dense is not None:
-            part = output.new_empty(len(md.dense_tokens), *output.shape[1:])
-            stock(layer, query.index_select(0, md.dense_tokens), key, value, kv_cache,
-                  md.dense, part)
-            output.index_copy_(0, md.dense_tokens, part)
-        self._refresh(layer, requests, md, query, kv_cache)
-        if md.fast is not None:
-            _store(layer, self, self.buffer, key.index_select(0, md.fast_tokens),
-                   value.index_select(0, md.fast_tokens), md.fast_slots)
-            part = output.new_empty(len(md.fast_tokens), *output.shape[1:])
-            stock(layer, query.index_select(0, md.fast_tokens), key, value, self.buffer,
-                  md.fast, part)
-            output.index_copy_(0, md.fast_tokens, part)
+        self._record_prompt_queries(md, step, query)
+        if step.fast is None:
+            stock(layer, query, key, value, kv_cache, step.stock, output)
+        elif step.dense is not None:
+            part = output.new_empty(len(step.dense_tokens), *output.shape[1:])
+            stock(layer, query.index_select(0, step.dense_tokens), key, value, kv_cache,
+                  step.dense, part)
+            output.index_copy_(0, step.dense_tokens, part)
+        self._refresh(layer, requests, md, step, query, kv_cache)
+        if step.fast is not None:
+            _store(layer, self, self.buffer, key.index_select(0, step.fast_tokens),
+                   value.index_select(0, step.fast_tokens), step.fast_slots)
+            part = output.new_empty(len(step.fast_tokens), *output.shape[1:])
+            stock(layer, query.index_select(0, step.fast_tokens), key, value, self.buffer,
+                  step.fast, part)
+            output.index_copy_(0, step.fast_tokens, part)
             if self.layer_idx in requests.probes:
-                self._probe_coverage(layer, md, query, kv_cache)
+                self._probe_coverage(layer, md, step, query, kv_cache)
         return self._finish(md, output)
 
     def _finish(self, md: SFIMetadata, output: torch.Tensor) -> torch.Tensor:
@@ -156,10 +156,11 @@ class SFIImpl:
         the model runs (no wait for the device here): the next step's plan reads them in its
         one transfer."""
         if self.layer_idx == md.last_layer:
-            md.rebuilder.flush()
-            if md.probes:
-                check_probes(md.probes, md)
-                md.probes.clear()
+            work = md.work
+            work.rebuilder.flush()
+            if work.probes:
+                md.book.flag_missed(md.step.fast_slot_index, check_probes(work.probes, md))
+                work.probes.clear()
         return output
 
     def _ensure_buffers(self, requests: RequestBook, md: SFIMetadata, kv_cache: torch.Tensor,
@@ -178,29 +179,30 @@ class SFIImpl:
         if self.records_book is not requests:  # a new configuration's book: new requests
             self.records, self.records_book = {}, requests
 
-    def _record_prompt_queries(self, md: SFIMetadata, query: torch.Tensor) -> None:
+    def _record_prompt_queries(self, md: SFIMetadata, step: PlannedStep,
+                               query: torch.Tensor) -> None:
         """Keep each prompt chunk's last W queries (the first selection's evidence)."""
-        for plan in md.recording:
+        for plan in step.recording:
             end = md.query_start[plan.row + 1]
             held = self.prompt_queries[plan.slot]
             new = query[end - plan.record: end]
             held.copy_(torch.cat([held[plan.record:], new], dim=0))
 
-    def _refresh(self, layer: Any, requests: RequestBook, md: SFIMetadata, query: torch.Tensor,
-                 kv_cache: torch.Tensor) -> None:
+    def _refresh(self, layer: Any, requests: RequestBook, md: SFIMetadata, step: PlannedStep,
+                 query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """Select the memories of every row that refreshes at this step and pack them into
         their slots. A first selection (``select``: read fast at this very step) is made and
         packed at once; a slow step's refresh (read from the next step on) goes to the step's
         rebuilder, which selects the refreshes of all layers together when the step's last
         layer has run (:class:`sfi.core.overlap.StackingRebuilder`, the transformers path's)."""
-        if not md.refreshing:
+        if not step.refreshing:
             return
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]
         page = probe_page(requests.config) if self.layer_idx in requests.probes else None
         softcap = getattr(self, "logits_soft_cap", None) or None
         refreshes, records, pages = [], [], []
-        for plan in md.refreshing:
+        for plan in step.refreshing:
             if plan.kind == SELECT:  # evidence: the prompt's last W queries
                 queries = self.prompt_queries[plan.slot, -plan.evidence:]
             else:  # evidence: this step's query
@@ -221,14 +223,14 @@ class SFIImpl:
         rule = SelectionRule.of(requests.config)
         groups = (SelectionGroup(requests.scorer, rule, None),)
         for now in (True, False):
-            chosen = [i for i, plan in enumerate(md.refreshing) if (plan.kind == SELECT) == now]
+            chosen = [i for i, plan in enumerate(step.refreshing) if (plan.kind == SELECT) == now]
             if not chosen:
                 continue
             for part in window_selections(requests.scorer, rule, self.layer_idx,
                                           [refreshes[i] for i in chosen], self.scale, softcap):
                 rows = [chosen[i] for i in part.members]
                 target = _PackTarget(layer, self, kv_cache, layout, md,
-                                     [md.refreshing[i] for i in rows],
+                                     [step.refreshing[i] for i in rows],
                                      [records[i] for i in rows], [pages[i] for i in rows])
                 refresh = Refresh(Rows(tuple(rows), len(refreshes), kv_cache.device),
                                   part.evidence, groups, part.k, part.pins, part.previous,
@@ -236,20 +238,20 @@ class SFIImpl:
                 if now:
                     refresh.run()
                 else:
-                    md.rebuilder.submit(refresh, [])
+                    md.work.rebuilder.submit(refresh, [])
 
-    def _probe_coverage(self, layer: Any, md: SFIMetadata, query: torch.Tensor,
-                        kv_cache: torch.Tensor) -> None:
+    def _probe_coverage(self, layer: Any, md: SFIMetadata, step: PlannedStep,
+                        query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """Keep what this probe layer's check needs (:class:`~sfi.vllm.probes.ProbeLayer`):
         the step's probe layers are checked together after its last layer
         (:func:`~sfi.vllm.probes.check_probes`, from :meth:`_finish`)."""
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]
         h, d = cache_keys.shape[1], cache_keys.shape[3]
-        plans = md.fast_plans
+        plans = step.fast_plans
         records = [self.records[p.slot] for p in plans]
-        md.probes.append(ProbeLayer(
-            query.index_select(0, md.fast_tokens).view(len(plans), h, -1, d),
+        md.work.probes.append(ProbeLayer(
+            query.index_select(0, step.fast_tokens).view(len(plans), h, -1, d),
             layout.halves(self.buffer)[0], cache_keys, layout.keys,
             tuple(r.coverage.boxes for r in records), tuple(r.coverage.outside for r in records),
             tuple(r.selected for r in records), self.scale,

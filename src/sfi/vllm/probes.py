@@ -62,30 +62,33 @@ class ProbeLayer:
     softcap: float | None
 
 
-def check_probes(layers: Sequence[ProbeLayer], md: Any) -> None:
-    """Check the step's probe ``layers`` (together where their scale, cap and shapes agree: in
-    groups otherwise) and flag, in ``md.book.missed``, the slots of the fast rows of ``md`` (an
-    :class:`~sfi.vllm.metadata.SFIMetadata`) whose memory misses pages the query bounds
-    highly at some probe layer, or (``coverage_copy``) whose copy is about to run past what
-    it holds."""
+def check_probes(layers: Sequence[ProbeLayer], md: Any) -> torch.Tensor:
+    """``[n_fast]`` bool: the fast rows of ``md``'s step (an
+    :class:`~sfi.vllm.metadata.SFIMetadata`) whose memory misses pages the query bounds highly
+    at some of the probe ``layers``, or (``coverage_copy``) whose copy is about to run past
+    what it holds; the layers checked together where their scale, cap and shapes agree, in
+    groups otherwise."""
     groups: dict[tuple[Any, ...], list[ProbeLayer]] = {}
     for layer in layers:
         key = (layer.scale, layer.softcap, tuple(layer.query.shape),
                tuple(layer.memory_keys.shape[1:]))
         groups.setdefault(key, []).append(layer)
+    flagged = torch.zeros(len(md.step.fast_plans), dtype=torch.bool,
+                          device=layers[0].query.device)
     for (scale, softcap, *_), group in groups.items():
-        md.book.missed[md.fast_slot_index] |= _check(group, md, scale, softcap)
+        flagged |= _check(group, md, scale, softcap)
+    return flagged
 
 
 def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
            softcap: float | None) -> torch.Tensor:
     """``[n]`` bool: the fast rows flagged at some of ``layers``."""
     c = md.book.config
-    plans = md.fast_plans
+    plans = md.step.fast_plans
     nl, n = len(layers), len(plans)
     q = torch.cat([layer.query for layer in layers])  # [L n, H, G, D]
     logits = torch.cat([  # [L n, H, G, S] (a layer's slot keys, [n, H, S, D], read once)
-        attention_logits(layer.query, read_blocks(layer.memory_keys, md.fast_blocks,
+        attention_logits(layer.query, read_blocks(layer.memory_keys, md.step.fast_blocks,
                                                   layer.layout), scale, softcap)
         for layer in layers])
     device = q.device

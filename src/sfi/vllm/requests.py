@@ -183,7 +183,7 @@ class RequestBook:
         # (a [slots] tensor the glue keeps, so that a probe never waits for the device)
         self.missed: Any = None
         # the rebuilder of the last step that planned refreshes: they must have been packed by
-        # the time the next step plans (``sfi.vllm.metadata.check_packed``)
+        # the time the next step plans (``sfi.vllm.planning.check_packed``)
         self.step_rebuilder: Any = None
         self._serials = itertools.count()  # the requests' serial numbers (:attr:`RowPlan.request`)
 
@@ -296,6 +296,12 @@ class RequestBook:
         if select is not None:
             return select
         return RowPlan(row, FAST, state.slot, t, memory=seq.memory, length=seq.memory.read(t))
+
+    def flag_missed(self, slots: Any, flags: Any) -> None:
+        """Keep the probes' verdict of a step, ``flags [n]`` for the requests in ``slots [n]``
+        (tensors where the model runs), until the next step's plan reads them
+        (:attr:`missed`)."""
+        self.missed[slots] |= flags
 
     def apply_coverage_flags(self, flags: Sequence[bool]) -> None:
         """Flag the request in each slot whose ``flags`` entry is set: the probes' misses since
