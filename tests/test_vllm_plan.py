@@ -25,7 +25,6 @@ from sfi.vllm.paged import (
     DIM_MAJOR,
     MAX_RUNS,
     CacheLayout,
-    RequestRefresh,
     empty_like_cache,
     logits_in_place,
     probe_layout,
@@ -33,9 +32,8 @@ from sfi.vllm.paged import (
     read_positions,
     read_prefix,
     read_range,
-    read_refresh,
-    window_selections,
 )
+from sfi.vllm.refresh_inputs import RequestRefresh, read_refresh, window_selections
 from sfi.vllm.requests import (
     DENSE,
     FAST,

@@ -25,15 +25,9 @@ from sfi.core.pages import PageSummaries
 from sfi.core.refresh_selection import SelectionGroup, SelectionRule, reads_keys
 from sfi.core.rows import Rows
 from sfi.vllm.metadata import PlannedStep, SFIMetadata, layer_index
-from sfi.vllm.paged import (
-    CacheLayout,
-    empty_like_cache,
-    probe_layout,
-    read_positions,
-    read_refresh,
-    window_selections,
-)
+from sfi.vllm.paged import CacheLayout, empty_like_cache, probe_layout, read_positions
 from sfi.vllm.probes import ProbeLayer, check_probes
+from sfi.vllm.refresh_inputs import read_refresh, window_selections
 from sfi.vllm.requests import SELECT, RequestBook, RowPlan, slot_start
 
 log = logging.getLogger(__name__)
