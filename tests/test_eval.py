@@ -182,6 +182,36 @@ def test_method_names_and_budgets():
         budget_tokens(-1, 100)
 
 
+def test_sfi_at_default_runs_as_sfi_generate_does(tiny_llama_with_tokenizer):
+    """``sfi@default`` takes no budget split: the config's K and its cost model, whose dense
+    steps below the break-even a budgeted ``sfi@C`` turns off."""
+    model, tok = tiny_llama_with_tokenizer
+    runs = parse_runs(["full", "sfi@default", "sfi:paper@default"], [0.3])
+    assert [(m.name, b) for m, b in runs] == [("full", 1.0), ("sfi", 0.0), ("sfi:paper", 0.0)]
+    with pytest.raises(SFIError, match="needs a budget"):
+        parse_runs(["snapkv@default"], [0.1])
+    for zero in (["sfi@0"], ["sfi"]):  # 0 is no budget, not "as configured"
+        with pytest.raises(SFIError, match="positive"):
+            parse_runs(zero, [0.0])
+    methods = ["full", "sfi[min_skip=10000]@default", "sfi@0.3"]  # break-even past the context
+    rows = run_eval(model, tok, ["niah"], [400], methods, [0.3], samples=1)
+    labels = {e["label"] for e in summarize([r.to_dict() for r in rows])}
+    assert labels == {"full", "sfi[min_skip=10000]@default", "sfi@0.3"}
+    default = next(r for r in rows if r.budget == 0.0)
+    budgeted = next(r for r in rows if r.budget == 0.3)
+    assert default.retention == 1.0 and default.slow_steps == 0  # every step dense
+    assert budgeted.retention < 1.0  # held to its budget
+    assert default.capacity == budgeted.prompt_tokens  # S + K + R, no more than the context
+    # sparse, with the config's own K and R (a budget of 0.3 would keep 120 per head)
+    rows = run_eval(model, tok, ["niah"], [400], [
+        "sfi[k_head=8,recent=16,min_skip=0,min_gain=1,coverage_layers=0,trigger=bootstrap]"
+        "@default"], [0.3], samples=1)
+    (own,) = rows
+    assert own.capacity == 4 + 8 + 16 and own.slow_steps == 0
+    new = len(tok(own.output, add_special_tokens=False)["input_ids"]) + 1
+    assert 28 / 400 <= own.fast_retention <= (28 + new) / own.prompt_tokens
+
+
 def test_jaccard():
     a = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
     b = torch.tensor([[1, 2, 3, 4], [3, 4, 5, 6]])

@@ -49,7 +49,8 @@ def eval_cmd(
         show_default=False,
         help="comma-separated, from: full, sfi, sfi:PRESET (sfi:paper), sfi:exact[:PRESET] "
              "(exact mode), sfi+SCORER, streamingllm, snapkv, pyramidkv, h2o, tova, quest; "
-             "name@budget pins a method's budget (default: "
+             "name@budget pins a method's budget, sfi@default runs SFI as sfi.generate "
+             "does (its config's K and cost model, no budget split) (default: "
              + DEFAULT_METHODS.replace(",", ", ") + ")")] = DEFAULT_METHODS,
     budgets: Annotated[str, typer.Option(help="C, the tokens every method keeps per KV head "
                                          "(for SFI: S + K + R): a fraction of the context "

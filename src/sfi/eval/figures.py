@@ -33,8 +33,9 @@ def plot_score_vs_budget(result: Row, folder: Path) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(11, 5))
     lines: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
-    for e in summary:
-        lines[(e["method"], e["weights"], e["context"])].append(
+    for e in summary:  # sfi@default (budget 0) is a point of its own, not of the budget sweep
+        method = f"{e['method']}@default" if e["budget"] == 0 else e["method"]
+        lines[(method, e["weights"], e["context"])].append(
             (100 * e["retention"], e["average"]))
     colours = plt.get_cmap("tab20").colors
     markers = "os^Dv<>pP*Xh"

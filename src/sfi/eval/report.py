@@ -17,7 +17,8 @@ Row = dict[str, Any]
 
 SHORT_FIELDS = {"pool_kernel": "pool", "page_size": "page", "nms_strength": "nms",
                 "coverage_layers": "cov", "coverage_gap": "gap", "coverage_top": "top",
-                "coverage_threshold": "thr", "pin_fraction": "pin", "dense_layers": "dense",
+                "coverage_threshold": "thr", "coverage_heads": "heads", "pin_fraction": "pin",
+                "dense_layers": "dense",
                 "exclusivity_strength": "excl", "lambda_cap_single": "lam1",
                 "lambda_cap_multi": "lamN", "evidence_window": "W", "hysteresis": "hyst"}
 
@@ -33,8 +34,9 @@ def short_label(method: str) -> str:
 
 def label(row: Row) -> str:
     """``method@budget`` (``full`` alone), followed by the weight format in brackets where it
-    is not ``native`` (``sfi@0.1 (int8)``)."""
-    name = "full" if row["method"] == "full" else f"{row['method']}@{row['budget']:g}"
+    is not ``native`` (``sfi@0.1 (int8)``); ``sfi@default`` where SFI ran as configured."""
+    budget = "default" if row["budget"] == 0 else f"{row['budget']:g}"
+    name = "full" if row["method"] == "full" else f"{row['method']}@{budget}"
     return _with_weights(name, row.get("weights", "native"))
 
 

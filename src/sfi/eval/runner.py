@@ -40,17 +40,19 @@ from sfi.hf.methods import Method, budget_tokens, build_cache, parse_method
 from sfi.hf.slowfast_cache import SlowFastCache
 
 WINDOW = 32  # SnapKV's observation window; SFI's evidence is the last 16 of these queries
+AS_CONFIGURED = 0.0  # ``sfi@default``'s budget: K and the cost model as ``sfi.generate`` runs them
 FIDELITY_TOKENS = 512
 
 
 @dataclass
 class EvalRow:
     """One method on one sample. ``context`` is the length asked for, ``prompt_tokens`` the
-    sample's; ``budget`` is what was asked (fraction or tokens), ``capacity`` the tokens per
-    KV head it became; ``retention`` is the measured mean fraction of the context read per
-    decode step (``fast_retention``: over SFI's fast steps only; exact mode: 1.0, every token
-    is verified by a dense read, and ``acceptance`` is the fraction of its drafts that full
-    attention accepted)."""
+    sample's; ``budget`` is what was asked (fraction or tokens; 0: ``sfi@default``, SFI as
+    configured), ``capacity`` the tokens per KV head it became (a fast step's S + K + R);
+    ``retention`` is the measured mean fraction of the context read per decode step, what
+    the coverage probes read included (``fast_retention``: over SFI's fast steps only; exact
+    mode: 1.0, every token is verified by a dense read, and ``acceptance`` is the fraction of
+    its drafts that full attention accepted)."""
 
     task: str
     context: int
@@ -119,13 +121,22 @@ def exact_continue(model: torch.nn.Module, cache: SlowFastCache, shared: SharedP
 def parse_runs(methods: Sequence[str], budgets: Sequence[float]
                ) -> list[tuple[Method, float]]:
     """Every (method, budget) to run: ``name@budget`` pins a method's own budget, a bare name
-    runs at each of ``budgets``; full attention runs once, at budget 1."""
+    runs at each of ``budgets``; full attention runs once, at budget 1. ``sfi@default`` (or
+    ``sfi:PRESET@default``) runs SFI as ``sfi.generate`` does, with no budget split: its
+    config's K, recent window and cost model, dense steps included (budget
+    :data:`AS_CONFIGURED`)."""
     runs: list[tuple[Method, float]] = []
     for item in methods:
         name, sep, pinned = item.partition("@")
         method = parse_method(name.strip())
+        as_configured = bool(sep) and pinned.strip() == "default"
         if method.kind == "full":
             chosen = [1.0]
+        elif as_configured:
+            if method.kind != "sfi":
+                raise SFIError(f"{item!r}: only SFI runs as configured; "
+                               f"{method.name} needs a budget")
+            chosen = [AS_CONFIGURED]
         elif sep:
             try:
                 chosen = [float(pinned)]
@@ -133,6 +144,9 @@ def parse_runs(methods: Sequence[str], budgets: Sequence[float]
                 raise SFIError(f"{item!r}: the budget after '@' must be a number") from None
         else:
             chosen = list(budgets)
+        if not as_configured:
+            for b in chosen:  # a number given: refused unless positive (whole above 1)
+                budget_tokens(b, 1)
         runs.extend((method, b) for b in chosen if (method, b) not in runs)
     if not runs:
         raise SFIError("no methods to evaluate")
@@ -176,7 +190,7 @@ def evaluate_sample(model: torch.nn.Module, tokenizer: Any, sample: Sample, inde
         rows.append(EvalRow(
             task=sample.task, context=sample.target, prompt_tokens=sample.context,
             method=method.name, budget=budget,
-            capacity=budget_tokens(budget, sample.context),
+            capacity=_capacity(method, budget, sample.context, base, overrides),
             score=score(sample.task, text, sample.answers), sample=index, depth=depth,
             output=text, **read,
             items=found_in_order(text, sample.answers) if sample.task in LIST_TASKS else None))
@@ -190,7 +204,8 @@ def _continue(model: torch.nn.Module, tokenizer: Any, method: Method, budget: fl
     """One run's continuation of ``shared`` (greedy, or exact mode's) and what it read: the
     row fields ``retention``, ``fast_retention``, ``slow_steps``, ``refresh_reasons`` and
     ``acceptance``."""
-    cache = build_cache(model, tokenizer, method, config=base, budget=budget,
+    cache = build_cache(model, tokenizer, method, config=base,
+                        budget=_cache_budget(budget),
                         context=sample.context, overrides=overrides)
     run = exact_continue if method.exact else greedy_continue
     tokens = run(model, cache, shared, ids, sample.max_new_tokens, eos)
@@ -204,6 +219,21 @@ def _continue(model: torch.nn.Module, tokenizer: Any, method: Method, budget: fl
         "acceptance": round(stats.acceptance_rate, 4) if method.exact else None}
 
 
+def _capacity(method: Method, budget: float, context: int, base: SFIConfig | None,
+              overrides: dict[str, Any] | None) -> int:
+    """The tokens per KV head a fast step of ``method`` keeps at ``context``: the budget's, or
+    for :data:`AS_CONFIGURED` its config's S + K + R."""
+    if budget != AS_CONFIGURED:
+        return budget_tokens(budget, context)
+    config = method.sfi_config(base, overrides)  # parse_runs lets only SFI run as configured
+    return min(context, config.sink + config.budget(context) + config.recent)
+
+
+def _cache_budget(budget: float) -> float | None:
+    """``build_cache``'s budget for a run's: none where SFI runs as configured."""
+    return None if budget == AS_CONFIGURED else budget
+
+
 def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index: int,
                    runs: list[tuple[Method, float]], ids: torch.Tensor,
                    window: int, base: SFIConfig | None, store: Path | None,
@@ -212,7 +242,8 @@ def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index
     compared = [(m, b) for m, b in runs if m.kind != "full"]
     names = [f"{m.name}@{b:g}" for m, b in compared]
     factories = {name: (lambda m=m, b=b: build_cache(model, tokenizer, m, config=base,
-                                                      budget=b, context=context,
+                                                      budget=_cache_budget(b),
+                                                      context=context,
                                                       overrides=overrides))
                  for name, (m, b) in zip(names, compared)}
     history = any(m.needs_history for m, _ in compared)
@@ -228,8 +259,8 @@ def _fidelity_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, index
     for (method, budget), result in zip(compared, results):
         rows.append(EvalRow(
             task="fidelity", context=sample.target, prompt_tokens=context, method=method.name,
-            budget=budget,
-            capacity=budget_tokens(budget, context), retention=round(result.retention, 4),
+            budget=budget, capacity=_capacity(method, budget, context, base, overrides),
+            retention=round(result.retention, 4),
             score=round(100.0 * result.top1, 3), sample=index,
             fast_retention=(None if result.fast_retention is None
                             else round(result.fast_retention, 4)),
@@ -269,7 +300,8 @@ def _generation_rows(model: torch.nn.Module, tokenizer: Any, sample: Sample, ind
         scores = own if full else _read(model, shared, ids, tokens)
         rows.append(EvalRow(
             task=sample.task, context=sample.target, prompt_tokens=sample.context,
-            method=method.name, budget=budget, capacity=budget_tokens(budget, sample.context),
+            method=method.name, budget=budget,
+            capacity=_capacity(method, budget, sample.context, base, overrides),
             score=round(100.0 * scores.top1, 3), sample=index, **read,
             top1=round(scores.top1, 6), ppl=round(scores.ppl, 4), ppl_full=round(own.ppl, 4),
             distinct=None if scores.distinct is None else round(scores.distinct, 4),
@@ -319,7 +351,8 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
                        "attention's; exact mode's is full attention's by construction (drop "
                        "sfi:exact from --methods, or fidelity from --tasks)")
     for _, budget in runs:
-        budget_tokens(budget, max(contexts))  # validate before any prefill
+        if budget != AS_CONFIGURED:
+            budget_tokens(budget, max(contexts))  # validate before any prefill
     rows: list[EvalRow] = []
     for context in contexts:
         for task in tasks:

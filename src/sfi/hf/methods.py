@@ -30,7 +30,8 @@ from sfi.hf.slowfast_cache import SlowFastCache
 def budget_tokens(budget: float, context: int) -> int:
     """C for a context of ``context`` tokens: ``budget`` x context when ``budget <= 1``,
     else ``budget`` tokens (a whole number)."""
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or \
+            not math.isfinite(budget) or budget <= 0:
         raise SFIError(f"a budget must be a positive number, got {budget!r}")
     if budget <= 1:
         return max(1, math.ceil(budget * context))
