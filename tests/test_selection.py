@@ -595,6 +595,83 @@ def test_coverage_refreshes_are_counted_and_keep_full_budget_exact():
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
+def test_a_retrieval_head_that_misses_flags_its_row_only_when_heads_judge_alone():
+    """One query head of a KV head would give the pages read 15% of its attention, the other
+    1%: their mean (8%) stays under a 10% threshold, the largest does not."""
+    from sfi.core.coverage import misses
+
+    query = torch.zeros(1, 1, 2, 4)  # [n, H, G, D]: every logit 0
+    keys, real = torch.zeros(1, 1, 1, 4), torch.ones(1, 1, 1, dtype=torch.bool)
+    shares = torch.tensor([0.15, 0.01])
+    lse = torch.log((1 - shares) / shares).view(1, 1, 2)  # sigmoid(0 - lse) = share
+    judged = {heads: misses(query, keys, real, lse, threshold=0.1, scale=1.0, heads=heads)
+              for heads in ("mean", "max")}
+    assert judged == {"mean": torch.tensor([False]), "max": torch.tensor([True])}
+    with pytest.raises(SFIError, match="coverage_heads"):
+        SFIConfig(coverage_heads="min")
+
+
+@pytest.mark.parametrize("heads", ["mean", "max"])
+def test_coverage_heads_reaches_the_verdict(heads, monkeypatch):
+    """The transformers path hands ``coverage_heads`` from the config through the plan's
+    probes to the verdict (the vLLM plugin's: test_vllm_plan's probes-together test)."""
+    import sfi.core.coverage as coverage
+
+    seen = []
+    judge = coverage.misses
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["heads"])
+        return judge(*args, **kwargs)
+
+    monkeypatch.setattr(coverage, "misses", spy)
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))
+    config = SFIConfig(sink=2, recent=4, k_head=8, force_sparse=True, trigger="bootstrap",
+                       page_size=4, coverage_layers=2, coverage_heads=heads)
+    lockstep(tiny_model("qwen2"), ids, config, steps=4)
+    assert seen and set(seen) == {heads}
+
+
+def test_a_fast_steps_reads_count_what_its_probes_read():
+    """The read fraction counts, at each probe layer, the page summaries (one entry a page)
+    and the keys of the pages read (half an entry a position): the reads the paper's accounting
+    leaves out."""
+    from sfi.core.sequence_policy import Memory, SequenceState, fast_read_fraction
+    from sfi.core.triggers import FixedPeriodTrigger
+
+    config = SFIConfig(page_size=16, coverage_top=2)
+    seq = SequenceState(pad=0, config=config, trigger=FixedPeriodTrigger(4), scorer=None)
+    seq.memory = Memory(pad=0, sink=4, sink_end=4, recent_start=1024 - 256, k=100)
+    total, layers = 1024, range(24)
+    plain = fast_read_fraction(seq, total, layers)
+    assert plain == pytest.approx((4 + 100 + 256) / 1024)
+    per_layer = 1024 / 16 + 2 * 16 / 2  # summaries of 64 pages, keys of 2 pages
+    probed = fast_read_fraction(seq, total, layers, probes=8)
+    assert probed == pytest.approx(plain + 8 * per_layer / 1024 / 24)
+    seq.config = SFIConfig(page_size=16, coverage_top=2, coverage_next=True)  # one page more
+    assert fast_read_fraction(seq, total, layers, probes=8) == pytest.approx(
+        plain + 8 * (per_layer + 8) / 1024 / 24)
+
+
+def test_the_planner_counts_its_probes_reads_in_each_fast_step():
+    """The same steps with two probe layers and without (probes that never flag: the same
+    decisions): the fast steps' reads differ by what the probes read, no more."""
+    from sfi.core.coverage import probe_reads
+
+    model = tiny_model("qwen2")  # 2 layers
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))
+    base = dict(sink=2, recent=4, k_head=8, force_sparse=True, trigger="bootstrap",
+                page_size=4, coverage_threshold=1.0, coverage_copy=0.0)
+    probed = lockstep(model, ids, SFIConfig(**base, coverage_layers=2), steps=8).cache.stats()
+    plain = lockstep(model, ids, SFIConfig(**base, coverage_layers=0), steps=8).cache.stats()
+    assert probed.fast_steps == plain.fast_steps > 0 and probed.refresh_reasons == \
+        plain.refresh_reasons
+    config = SFIConfig(**base)
+    extra = [2 * probe_reads(config, t) / t / 2 for t in range(80, 90)]  # 2 of 2 layers
+    gained = probed.fast_read_fraction - plain.fast_read_fraction
+    assert min(extra) <= gained <= max(extra), (gained, extra)
+
+
 def test_copy_flags_reach_the_planner_as_coverage_refreshes():
     """``coverage_copy`` alone (the pages' threshold out of reach) refreshes rows, counted as
     ``coverage``; without it the same run has none."""

@@ -70,6 +70,29 @@ def run_request(requests: RequestBook, key: int, prompt: int, new_tokens: int,
     return kinds
 
 
+def test_the_books_fast_steps_count_what_their_probes_read():
+    """Every fast row of the plugin is probed at each probe layer, which reads the page
+    summaries, the pages' keys and, for lack of the kernel's log-sum-exp, the memory's keys
+    again: a fast step's reads are the memory's and those, no more."""
+    from sfi.core.coverage import probe_reads
+
+    config = SFIConfig(**{**SMALL, "trigger": "fixed", "period": 50, "coverage_layers": 2})
+    requests = RequestBook(config, 4, slot_capacity(config, 4096), make_scorer("sfi", config),
+                           layers=range(4))
+    plain = RequestBook(replace(config, coverage_layers=0), 4, slot_capacity(config, 4096),
+                        make_scorer("sfi", config), layers=range(4))
+    for book_ in (requests, plain):
+        run_request(book_, 0, 200, 6)
+    probed, alone = requests.requests[0].seq.stats, plain.requests[0].seq.stats
+    assert probed.fast_steps == alone.fast_steps > 0
+    first, last = config.sink + config.k_head + config.recent, \
+        requests.requests[0].seq.memory.read(206)  # the memory grows with the recent window
+    low = min(2 * (probe_reads(config, t) + first / 2) / t / 4 for t in range(200, 207))
+    high = max(2 * (probe_reads(config, t) + last / 2) / t / 4 for t in range(200, 207))
+    gained = probed.fast_read_fraction - alone.fast_read_fraction
+    assert low <= gained <= high, (low, gained, high)
+
+
 @pytest.mark.parametrize("prompt, trigger", [
     (60, dict(trigger="fixed", period=5)),  # selects from the prompt, refreshes every 5 steps
     (20, dict(trigger="fixed", period=4)),  # too short at first: dense, then a slow bootstrap
@@ -602,7 +625,8 @@ def _probe_alone(layer, md, c):
                        lambda pos: read_positions(layer.cache_keys, blocks, pos, layer.layout),
                        page=probe_page(c), top=c.coverage_top, threshold=c.coverage_threshold,
                        scale=layer.scale, softcap=layer.softcap,
-                       length=torch.tensor([p.total for p in plans]), raised=raised)
+                       length=torch.tensor([p.total for p in plans]), raised=raised,
+                       heads=c.coverage_heads)
     if c.coverage_copy:
         found = found | copy_runs_out(logits[..., :width], lse, positions, held, at.hi,
                                       share=c.coverage_copy)
@@ -613,8 +637,8 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
     """``sfi.vllm.probes.check_probes`` (every probe layer of a step at once, after its last
     layer) flags the slots that checking each layer alone flags: rows of different lengths
     and page counts, several probe layers of different scales and caps (checked in groups),
-    with and without ``coverage_copy`` and ``coverage_next``, at thresholds that flag many rows
-    and few."""
+    with and without ``coverage_copy`` and ``coverage_next``, both ``coverage_heads``, at
+    thresholds that flag many rows and few."""
     import random
     from types import SimpleNamespace
 
@@ -638,7 +662,8 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
         c = SimpleNamespace(page_size=page, coverage_top=rng.randint(1, 3),
                             coverage_threshold=rng.choice([0.05, 0.5, 0.9]),
                             coverage_copy=rng.choice([0, 0.5, 0.9]),
-                            coverage_next=rng.random() < 0.5)
+                            coverage_next=rng.random() < 0.5,
+                            coverage_heads=rng.choice(["mean", "max"]))
         step = SimpleNamespace(
             fast_plans=plans, fast_slot_index=torch.tensor(used),
             fast_blocks=torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]

@@ -33,6 +33,8 @@ class _DefaultBudget(int):
 DEFAULT_K_HEAD = _DefaultBudget(2048)
 
 
+COVERAGE_HEADS = ("mean", "max")  # SFIConfig.coverage_heads's choices
+
 def _require_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise SFIConfigError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
@@ -89,12 +91,12 @@ class SFIConfig:
     (the paper's rule, the paper preset)."""
     min_gain: float = 1.1
     """Sparse decoding also waits until a fast step would read ``min_gain`` times fewer bytes
-    than a dense step of the same sequence: ``(W + T) / (W + S + K + R) >= min_gain``, with the
-    model's weights W counted in KV positions of the same byte width
+    than a dense step of the same sequence: ``(M + T) / (M + S + K + R) >= min_gain``, with the
+    model's weights M counted in KV positions of the same byte width
     (``sfi.core.cost_model.weight_positions``; weights and KV both stream once per step at batch
     1). Where the weights outweigh the KV a fast step cannot save enough to pay for its own
-    costs. With 1.1, K = 2,048 and R = 256, Qwen2.5-0.5B (W = 80,397 positions) turns sparse
-    from 10,579 tokens and SmolLM2-135M (W = 11,673) from 3,707, below ``min_skip``'s 3,844.
+    costs. With 1.1, K = 2,048 and R = 256, Qwen2.5-0.5B (M = 80,397 positions) turns sparse
+    from 10,579 tokens and SmolLM2-135M (M = 11,673) from 3,707, below ``min_skip``'s 3,844.
     Per sequence, from its context and the model alone. 1.0: no such rule (the paper
     preset)."""
     force_sparse: bool = False
@@ -195,6 +197,10 @@ class SFIConfig:
     coverage_threshold: float = 0.1
     """Coverage probes: the share of the attention those pages may take before the next step
     refreshes (reason ``coverage``)."""
+    coverage_heads: str = "mean"
+    """Coverage probes: how the query heads of a KV head judge the pages read: ``mean``, the
+    pages' average share of their attention over ``coverage_threshold``; ``max``, any one
+    query head's (a retrieval head that misses is not averaged away by those that do not)."""
     coverage_gap: int = 2
     """Coverage probes: at most one coverage refresh every this many steps."""
     coverage_next: bool = False
@@ -262,6 +268,9 @@ class SFIConfig:
                      "coverage_next"):
             if not isinstance(getattr(self, name), bool):
                 raise SFIConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.coverage_heads not in COVERAGE_HEADS:
+            raise SFIConfigError(f"coverage_heads must be one of {', '.join(COVERAGE_HEADS)}; "
+                                 f"got {self.coverage_heads!r}")
         if self.trigger not in TRIGGER_POLICIES:
             raise SFIConfigError(
                 f"trigger must be one of {', '.join(TRIGGER_POLICIES)}; got {self.trigger!r}"

@@ -44,6 +44,17 @@ def probe_page(config: Any) -> int:
     return config.page_size if config.page_size > 1 else DEFAULT_PAGE
 
 
+def probe_reads(config: Any, context: int) -> float:
+    """The KV entries (a key and a value of one position) one probe layer reads per KV head of
+    a row of ``context`` tokens: the summaries of every page (two vectors a page, one entry;
+    the transformers path scores those before the recent window, R / P fewer),
+    and the keys of the pages it reads (``coverage_top``, one more with ``coverage_next``;
+    keys alone, half an entry a position). ``coverage_copy`` reads nothing more."""
+    page = probe_page(config)
+    read_pages = config.coverage_top + bool(config.coverage_next)
+    return math.ceil(context / page) + read_pages * page / 2
+
+
 def probe_layers(count: int, layer_ids: Sequence[int], dense_layers: int) -> tuple[int, ...]:
     """``count`` probe layers spread evenly over the slow-fast layers past the dense ones (at
     the centres of ``count`` equal parts)."""
@@ -71,7 +82,7 @@ def missing_rows(queries: torch.Tensor, scores: torch.Tensor, readers: Sequence[
                  lse: torch.Tensor, *, page: int, top: int, threshold: float, scale: float,
                  length: int | torch.Tensor, softcap: float | None = None,
                  shift: torch.Tensor | None = None,
-                 raised: torch.Tensor | None = None) -> torch.Tensor:
+                 raised: torch.Tensor | None = None, heads: str = "mean") -> torch.Tensor:
     """``[n]`` bool: rows whose fast memory misses attention mass at some of L probe layers
     (see the module docstring), the layers checked together (:func:`pages_miss` once). Every
     tensor holds the L layers' rows one layer after another (layer i's at ``i n`` to
@@ -89,6 +100,7 @@ def missing_rows(queries: torch.Tensor, scores: torch.Tensor, readers: Sequence[
         raised: ``[L n, H]``, where :func:`with_next_pages` ranked a next page first (None:
             the scores are the bound's alone): that page is read beside the ``top`` best by
             the bound.
+        heads: how a KV head's query heads judge (:func:`misses`).
     """
     layers = len(readers)
     n = queries.shape[0] // layers
@@ -102,7 +114,7 @@ def missing_rows(queries: torch.Tensor, scores: torch.Tensor, readers: Sequence[
     missed = pages_miss(queries, scores, lse, read, page=page, top=top, threshold=threshold,
                         scale=scale, softcap=softcap, length=length,
                         shift=shift.repeat(layers) if shift is not None else None,
-                        raised=raised)
+                        raised=raised, heads=heads)
     return missed.view(layers, n).any(dim=0)
 
 
@@ -110,21 +122,21 @@ def pages_miss(query: torch.Tensor, scores: torch.Tensor, lse: torch.Tensor,
                read_keys: Callable[[torch.Tensor], torch.Tensor], *, page: int, top: int,
                threshold: float, scale: float, softcap: float | None,
                length: int | torch.Tensor, shift: torch.Tensor | None = None,
-               raised: torch.Tensor | None = None) -> torch.Tensor:
+               raised: torch.Tensor | None = None, heads: str = "mean") -> torch.Tensor:
     """``[n]`` bool: the coverage verdict of both engines. The ``top`` best pages of ``scores
     [n, H, P]`` (:func:`page_scores`; with ``raised [n, H]``, :func:`with_next_pages`, one more,
     read where it was raised), their keys read by ``read_keys`` (positions ``[n, H, N]`` ->
     keys ``[n, H, N, D]``: each engine reads its own storage), and whether they would take
     more than ``threshold`` of the attention of ``query [n, H, G, D]`` beside the memory whose
-    log-sum-exp is ``lse [n, H, G]`` (:func:`misses`). ``length`` and ``shift`` as in
-    :func:`top_pages`."""
+    log-sum-exp is ``lse [n, H, G]`` (:func:`misses`, with ``heads``). ``length`` and
+    ``shift`` as in :func:`top_pages`."""
     positions, real = top_pages(scores, page=page, top=top + (raised is not None),
                                 length=length, shift=shift)  # [n, H, m * P]
     if raised is not None:  # no page raised: the last of the top + 1 is not read
         real = real.clone()
         real[..., -page:] &= raised[..., None]
     return misses(query, read_keys(positions), real, lse, threshold=threshold, scale=scale,
-                  softcap=softcap)
+                  softcap=softcap, heads=heads)
 
 
 def unheld_pages(memory: torch.Tensor, held: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -235,11 +247,16 @@ def top_pages(scores: torch.Tensor, *, page: int, top: int, length: int | torch.
 
 
 def misses(query: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor, lse: torch.Tensor, *,
-           threshold: float, scale: float, softcap: float | None = None) -> torch.Tensor:
+           threshold: float, scale: float, softcap: float | None = None,
+           heads: str = "mean") -> torch.Tensor:
     """``[n]`` bool: whether the ``chosen [n, H, N, D]`` keys (``real [n, H, N]``) would take
-    more than ``threshold`` of the attention of some KV head's query heads (on average) beside
-    the memory whose log-sum-exp is ``lse [n, H, G]``."""
+    more than ``threshold`` of the attention of some KV head's query heads beside the memory
+    whose log-sum-exp is ``lse [n, H, G]``: of their mean (``heads="mean"``) or of any one of
+    them (``"max"``)."""
     logits = attention_logits(query, chosen, scale, softcap)  # [n, H, G, N]
     logits = logits.masked_fill(~real[:, :, None, :], float("-inf"))
     share = torch.sigmoid(torch.logsumexp(logits, dim=-1) - lse)  # their weight vs the memory's
-    return (share.mean(dim=2) > threshold).any(dim=-1)
+    if heads not in ("mean", "max"):
+        raise ValueError(f"heads must be 'mean' or 'max', got {heads!r}")
+    judged = share.amax(dim=2) if heads == "max" else share.mean(dim=2)  # [n, H]
+    return (judged > threshold).any(dim=-1)

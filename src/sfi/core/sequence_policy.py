@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from sfi.core.config import SFIConfig
 from sfi.core.cost_model import dense_reason
+from sfi.core.coverage import probe_reads
 from sfi.core.decode_stats import DecodeStats
 from sfi.core.scorers import Scorer
 from sfi.core.triggers import BOOTSTRAP, COVERAGE, REFRESH_REASONS, RefreshTrigger
@@ -152,16 +153,24 @@ def repair_span(seq: SequenceState) -> int:
 
 
 def fast_read_fraction(seq: SequenceState, total: int, layers: Iterable[int],
-                       dense_reads: int = 0) -> float:
+                       dense_reads: int = 0, probes: int = 0,
+                       probes_reread_memory: bool = False) -> float:
     """The fraction of the context a fast step of ``seq`` at cache length ``total`` read,
     averaged over the slow-fast ``layers`` (model indices): the memory at most of them, the
     whole context at the first ``dense_layers`` ones and at ``dense_reads`` more (layers whose
-    rebuild was not ready)."""
+    rebuild was not ready), and at ``probes`` of them what a coverage probe reads beside the
+    memory (:func:`sfi.core.coverage.probe_reads`; with ``probes_reread_memory`` also the
+    memory's keys once more, half an entry a position: the vLLM plugin's probes, whose
+    attention kernel gives them no log-sum-exp). With probes, or where the memory holds the
+    whole context, a fast step can read more than the context."""
     layers = tuple(layers)
-    read = seq.memory.read(total) / (total - seq.pad)
+    context = total - seq.pad
+    read = seq.memory.read(total) / context
     dense = sum(i < seq.config.dense_layers for i in layers) + dense_reads
-    if dense and layers:
-        read = (dense + (len(layers) - dense) * read) / len(layers)
+    if layers and (dense or probes):
+        again = seq.memory.read(total) / 2 if probes_reread_memory else 0.0
+        extra = probes * (probe_reads(seq.config, context) + again) / context
+        read = (dense + (len(layers) - dense) * read + extra) / len(layers)
     return read
 
 

@@ -28,6 +28,7 @@ class _ProbeGroup:
     threshold: float
     scale: float
     softcap: float | None
+    heads: str
     queries: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
     readers: list[KeyReader] = field(default_factory=list)
@@ -55,20 +56,21 @@ class CoverageChecks:
             length: int, page: int, top: int, threshold: float, scale: float,
             softcap: float | None, shift: torch.Tensor | None = None,
             aligned: tuple[int, ...] | None = None, raised: torch.Tensor | None = None,
-            copying: torch.Tensor | None = None) -> None:
+            copying: torch.Tensor | None = None, heads: str = "mean") -> None:
         """One probe layer's evidence: ``rows`` (the batch's indices) with their
         ``query [n, H, G, D]``, ``scores [n, H, P]`` (:func:`page_scores`), the reader of the
         layer's keys of these rows and their fast ``lse [n, H, G]``; ``length`` the cache's
         (where the keys end); ``shift [n]`` where their pages start, ``aligned`` the same as
         Python ints (None: at position 0); ``raised [n, H]`` where :func:`with_next_pages`
         ranked a page first (read beside the ``top``); ``copying [n]`` the rows
-        :func:`copy_runs_out` flags (flagged whatever the pages say)."""
+        :func:`copy_runs_out` flags (flagged whatever the pages say); ``heads`` how a KV
+        head's query heads judge (:func:`sfi.core.coverage.misses`)."""
         key = (rows, page, top, threshold, scale, softcap, aligned, tuple(query.shape),
-               tuple(scores.shape), length, raised is not None, copying is not None)
+               tuple(scores.shape), length, raised is not None, copying is not None, heads)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _ProbeGroup(rows, length, shift, page, top, threshold,
-                                                    scale, softcap)
+                                                    scale, softcap, heads)
         group.queries.append(query)
         group.scores.append(scores)
         group.readers.append(read)
@@ -89,7 +91,8 @@ class CoverageChecks:
                                  torch.cat(g.lse), page=g.page, top=g.top,
                                  threshold=g.threshold, scale=g.scale, length=g.length,
                                  softcap=g.softcap, shift=g.shift,
-                                 raised=torch.cat(g.raised) if g.raised else None)
+                                 raised=torch.cat(g.raised) if g.raised else None,
+                                 heads=g.heads)
             ahead = torch.stack(g.copying).any(dim=0) if g.copying else torch.zeros_like(found)
             for row, miss, copy in zip(g.rows, *torch.stack([found, ahead]).tolist()):
                 if miss:  # both verdicts reach the host together: one wait per group

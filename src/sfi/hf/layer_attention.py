@@ -225,7 +225,7 @@ class SlowFastAttention(AttendingLayer):
             length=keys.shape[-2],
             page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
             softcap=softcap, shift=shift, aligned=probe.aligned, raised=raised,
-            copying=copying)
+            copying=copying, heads=probe.heads)
 
     def _unheld_pages(self, probe: Probe, memory: torch.Tensor, shift: torch.Tensor | None,
                       pages: int) -> torch.Tensor:

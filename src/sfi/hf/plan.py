@@ -104,7 +104,8 @@ class Probe:
     (``sfi.core.pages.page_shift``; None: at position 0); ``aligned`` the same as Python ints, a key
     for what the layers keep between steps; ``next_page``: also read the page after the most
     attended selected position (``coverage_next``); ``copy_share``: flag a copy about to run
-    past what the memory holds (``coverage_copy``, 0: off)."""
+    past what the memory holds (``coverage_copy``, 0: off); ``heads``: how a KV head's query
+    heads judge (``coverage_heads``)."""
 
     layer: int
     page: int
@@ -115,6 +116,7 @@ class Probe:
     aligned: tuple[int, ...] | None = None
     next_page: bool = False
     copy_share: float = 0.0
+    heads: str = "mean"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ C compact slots (sink + selected) per KV head.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
@@ -168,7 +169,7 @@ class Planner:
     def _probes(self, fast_rows: list[int], width: int, device: torch.device
                 ) -> tuple[Probe, ...]:
         """Which fast rows each probe layer checks, and how."""
-        groups: dict[tuple[int, int, float, bool, float, int, int], list[int]] = {}
+        groups: dict[tuple[int, int, float, bool, float, str, int, int], list[int]] = {}
         for row in fast_rows:
             c = self.sequences[row].config
             # a row already flagged refreshes as soon as its gap allows: probing it again
@@ -176,11 +177,13 @@ class Planner:
             if c.coverage_layers and not self.sequences[row].coverage_miss:
                 page = probe_page(c)
                 groups.setdefault((page, c.coverage_top, c.coverage_threshold, c.coverage_next,
-                                   c.coverage_copy, c.coverage_layers, c.dense_layers),
+                                   c.coverage_copy, c.coverage_heads, c.coverage_layers,
+                                   c.dense_layers),
                                   []).append(row)
         probes = []
         pads = [seq.pad for seq in self.sequences]
-        for (page, top, threshold, next_page, copy_share, layers, dense), rows in groups.items():
+        for (page, top, threshold, next_page, copy_share, heads, layers, dense), rows in \
+                groups.items():
             aligned = page_shifts(pads, page)
             shift = torch.tensor(aligned, device=device) if aligned else None
             memories = [self.sequences[r].memory for r in rows]
@@ -192,7 +195,7 @@ class Planner:
                 max(m.recent_start for m in memories))
             for layer in probe_layers(layers, self.layer_ids, dense):  # none the rows read densely
                 probes.append(Probe(layer, page, top, threshold, target, shift, aligned,
-                                    next_page, copy_share))
+                                    next_page, copy_share, heads))
         return tuple(probes)
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:
@@ -308,6 +311,8 @@ class Planner:
         if redo is not None:
             missed = set(missed) | redo.missed
         kinds, reasons, slow_memories = plan.outcome()
+        probed = Counter(row for probe in (redo.first if redo is not None else plan).probes
+                         for row in probe.target.rows.indices)  # probe layers per row
         repaired = plan.query_length - 1 if plan.phase == REPAIR else 0
         if not plan.decode:
             for row, seq in enumerate(self.sequences):  # the real tokens of each row
@@ -318,7 +323,7 @@ class Planner:
             read = None
             if plan.decode and kind == FAST:  # a repair's fast rows read the block densely
                 read = 1.0 if repaired else fast_read_fraction(seq, plan.total_length, layers,
-                                                               lagged.get(row, 0))
+                                                               lagged.get(row, 0), probed[row])
             record_step(seq, kind, decode=plan.decode, token=plan.tokens[row],
                         memory=slow_memories.get(row), reason=reasons[row], read=read,
                         lagged=row in lagged or bool(repaired), repaired=repaired)

@@ -109,7 +109,7 @@ def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
                          page=probe_page(c), top=c.coverage_top,
                          threshold=c.coverage_threshold, scale=scale, softcap=softcap,
                          length=torch.tensor([p.total for p in plans], device=device),
-                         raised=raised)
+                         raised=raised, heads=c.coverage_heads)
     if c.coverage_copy:  # flagged whatever the pages say
         found = found | copy_runs_out(logits[..., :width], lse, selected, held, hi,
                                       share=c.coverage_copy).view(nl, n).any(dim=0)

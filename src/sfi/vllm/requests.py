@@ -285,7 +285,9 @@ class RequestBook:
         if kind == FAST and select is None and seq.memory.read(t) > self.capacity:
             kind, reason = SLOW, CAPACITY  # the slot holds the memory's reads (sfi.vllm.impl)
         memory = next_memory(seq, t) if kind == SLOW else None
-        read = fast_read_fraction(seq, t, self.layers) if kind == FAST else None
+        read = (fast_read_fraction(seq, t, self.layers, probes=len(self.probes),
+                                   probes_reread_memory=True)
+                if kind == FAST else None)  # every fast row is probed (sfi.vllm.probes)
         record_step(seq, kind, decode=True, token=token, memory=memory, reason=reason, read=read)
         if kind == DENSE:  # nothing to save yet
             return RowPlan(row, DENSE, state.slot, t)

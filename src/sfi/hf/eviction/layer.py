@@ -136,9 +136,11 @@ class EvictionLayer(AttendingLayer, DynamicLayer):
         keys, values = self.keys, self.values
         allowed = self.keep
         narrowed = plan.policy.step_mask(self, q) if plan.policy is not None else None
+        read = 0.0
         if narrowed is not None:
             allowed = allowed & narrowed
-        plan.reads.append(float(allowed.float().mean()))
+            read = plan.policy.side_reads(keys.shape[-2]) / keys.shape[-2]
+        plan.reads.append(float(allowed.float().mean()) + read)
         out, logits, _ = dense_attention(q, keys, values, additive_bias(allowed)[:, :, None, :],
                                       scale, softcap)
         attention = torch.softmax(logits, dim=-1)  # [B, H, G, T]

@@ -8,6 +8,7 @@ head, T cache length.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,6 +59,11 @@ class EvictionPolicy:
     def step_mask(self, layer: EvictionLayer, query: torch.Tensor) -> torch.Tensor | None:
         """``[B, H, T]`` positions this decode step may read (query ``[B, H, G, D]``)."""
         return None
+
+    def side_reads(self, length: int) -> float:
+        """KV entries per KV head that a decode step whose :meth:`step_mask` narrowed a layer
+        of ``length`` positions read beside the positions it attends (to choose them)."""
+        return 0.0
 
     def after_step(self, layer: EvictionLayer, attention: torch.Tensor) -> None:
         """Evict after a decode step whose attention was ``[B, H, G, T]``."""
@@ -197,6 +203,10 @@ class Quest(EvictionPolicy):
         chosen = torch.zeros_like(scores, dtype=torch.bool)
         chosen.scatter_(-1, torch.topk(scores, pages, dim=-1).indices, True)
         return chosen.repeat_interleave(self.page, dim=-1)[..., :t]
+
+    def side_reads(self, length: int) -> float:
+        """Every page's min and max key (two vectors a page: one entry)."""
+        return float(math.ceil(length / self.page))
 
 
 POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
