@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -113,10 +114,53 @@ def test_a_figure_changed_by_hand_is_caught(tmp_path):
 
     data = {"cpu": "AVX2", "products": [
         {"shape": "4x8", "path": "a", "ms": 1.0, "gb_s": 2.0, "of_bandwidth": 0.5}]}
-    (tmp_path / "d.json").write_text(__import__("json").dumps(data))
+    (tmp_path / "d.json").write_text(json.dumps(data))
     page = tmp_path / "p.md"
     page.write_text("x\n<!-- table: weight-products d.json -->\nold\n<!-- /table -->\n")
     rendered = render(page)
     assert "| 4 x 8 | 1.00 ms, 2.0 GB/s (50%) |" in rendered and "old" not in rendered
     page.write_text(rendered.replace("2.0 GB/s", "2.5 GB/s"))
     assert render(page) != page.read_text()
+
+
+def test_a_table_from_several_runs_keeps_the_methods_it_names(tmp_path):
+    """Two ``sfi eval`` results merged as ``sfi report`` merges them, ``only=`` keeping some
+    methods; a label the data lacks is an error, not an empty table."""
+    from sfi.bench.doc_tables import render
+
+    def run(method: str, score: float) -> dict:
+        rows = [{"task": "passkey", "context": 100, "prompt_tokens": 100, "method": m,
+                 "budget": b, "capacity": 10, "retention": r, "score": s, "sample": i}
+                for m, b, r, s in (("full", 1.0, 1.0, 100.0), (method, 0.1, 0.2, score))
+                for i in range(2)]
+        return {"model": "m", "tasks": ["passkey"], "contexts": [100], "samples": 2,
+                "seed": 0, "rows": rows, "summary": []}
+
+    (tmp_path / "a.json").write_text(json.dumps(run("sfi", 50.0)))
+    (tmp_path / "b.json").write_text(json.dumps(run("quest", 0.0)))
+    page = tmp_path / "p.md"
+    page.write_text("<!-- table: eval-averages a.json,b.json only=full|quest@0.1 -->\n"
+                    "<!-- /table -->\n")
+    rendered = render(page)
+    assert "| 100 | quest@0.1 | 20.0% | 0.0 |" in rendered and "| 100 | full |" in rendered
+    assert "sfi@0.1" not in rendered
+    page.write_text(rendered.replace("only=full|quest@0.1", "only=snapkv@0.1"))
+    with pytest.raises(ValueError, match=r"no method labelled snapkv@0\.1"):
+        render(page)
+
+
+def test_a_malformed_table_marker_is_an_error_not_a_table_left_unchecked(tmp_path):
+    from sfi.bench.doc_tables import BLOCK, render
+
+    (tmp_path / "d.json").write_text(json.dumps({"products": []}))
+    page = tmp_path / "p.md"
+    for marker, message in (("weight-products d.json olny=a", "is not only="),
+                            ("weight-product d.json", "no table renderer"),
+                            ("weight-products missing.json", "missing.json")):
+        page.write_text(f"<!-- table: {marker} -->\n<!-- /table -->\n")
+        with pytest.raises(ValueError, match=message):
+            render(page)
+    for path in _pages():  # every marker in the docs is one the renderer reads
+        text = path.read_text(encoding="utf-8")
+        openers = re.findall(r"^<!-- table:", text, flags=re.M)  # (not those quoted in code)
+        assert len(openers) == len(BLOCK.findall(text)), path

@@ -1,8 +1,10 @@
 """Tables in the docs that are rendered from the JSON under ``docs/eval``, so that a figure in a
 page and its data cannot disagree.
 
-A page marks each such table with an HTML comment naming its renderer and data file,
-``<!-- table: NAME FILE -->``, followed by the table and ``<!-- /table -->``. ``python -m
+A page marks each such table with an HTML comment naming its renderer and data files,
+``<!-- table: NAME FILE[,FILE...] [only=LABEL|LABEL...] -->`` (several ``sfi eval`` results
+are merged as ``sfi report`` merges them; ``only`` keeps some of an evaluation's methods),
+followed by the table and ``<!-- /table -->``. ``python -m
 sfi.bench.doc_tables PAGE...`` rewrites every marked table from its data; ``tests/test_docs.py``
 fails when a page's table differs from what its data renders.
 """
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BLOCK = re.compile(r"(<!-- table: (\S+) (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
+BLOCK = re.compile(r"(<!-- table: (.*?) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
 def _row(cells: list[Any]) -> str:
@@ -75,22 +77,268 @@ def versus_llama_cpp(data: dict[str, Any]) -> str:
                    "sfi x llama.cpp"], rows)
 
 
+def dense_sfi_peer(data: dict[str, Any]) -> str:
+    """``sfi bench --weights ... --gguf ... --json``, one line per context and weight format:
+    the dense step (``full-static``), the SFI default's tokens/s and their ratio, and the
+    ratio to llama.cpp's fastest row of the same context and batch (its setting named)."""
+    cells = {(r["context"], r["batch"], r["weights"], r["mode"]): r["decode_tok_s"]
+             for r in data["rows"]}
+    peer: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in data["rows"]:
+        key = (r["context"], r["batch"])
+        if r["mode"].startswith("llama.cpp") and (
+                key not in peer or r["decode_tok_s"] > peer[key]["decode_tok_s"]):
+            peer[key] = r
+    rows = []
+    for (context, batch, weights, mode), sfi in cells.items():
+        dense = cells.get((context, batch, weights, "full-static"))
+        other = peer.get((context, batch))
+        if mode != "sfi" or dense is None:
+            continue
+        rows.append([f"{context:,}", weights, f"{dense:.2f}", f"{sfi:.2f}",
+                     f"{sfi / dense:.2f}x",
+                     "-" if other is None else
+                     f"{other['decode_tok_s']:.2f} ({other['mode'].removeprefix('llama.cpp ')})",
+                     "-" if other is None else f"{sfi / other['decode_tok_s']:.2f}x"])
+    return _table(["context", "weights", "dense tokens/s", "SFI tokens/s", "SFI x dense",
+                   "llama.cpp tokens/s", "SFI x llama.cpp"], rows)
+
+
+def sfi_against_peers(data: dict[str, Any]) -> str:
+    """``sfi bench --modes full-static,sfi,sfi-fast-only --gguf ... --json``, one line per
+    context and weight format of sfi's rows: the decode tokens/s of the dense step
+    (``full-static``), of the default preset (``sfi``) with its ratio to the dense step and of
+    the fast step alone (``sfi-fast-only``), each llama.cpp row's tokens/s at the same context
+    and batch, and ``sfi``'s ratio to each."""
+    ours: dict[tuple[int, int, str], dict[str, float]] = {}
+    peers: dict[tuple[int, int], dict[str, float]] = {}
+    for r in data["rows"]:
+        if r["mode"].startswith("llama.cpp"):
+            peers.setdefault((r["context"], r["batch"]), {})[r["mode"]] = r["decode_tok_s"]
+        else:
+            ours.setdefault((r["context"], r["batch"], r["weights"]), {})[r["mode"]] = \
+                r["decode_tok_s"]
+    llamas = sorted({m for cell in peers.values() for m in cell})
+
+    def rate(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    def ratio(value: float | None, base: float | None) -> str:
+        return "-" if not value or not base else f"{value / base:.2f}x"
+
+    rows = []
+    for (context, batch, weights), cell in ours.items():
+        peer = peers.get((context, batch), {})
+        sfi, dense = cell.get("sfi"), cell.get("full-static")
+        rows.append([f"{context:,}", weights, rate(dense), rate(sfi), ratio(sfi, dense),
+                     rate(cell.get("sfi-fast-only")), *(rate(peer.get(m)) for m in llamas),
+                     *(ratio(sfi, peer.get(m)) for m in llamas)])
+    return _table(["context", "weights", "dense, preallocated", "`sfi` (default preset)",
+                   "x dense", "fast step alone", *llamas,
+                   *(f"`sfi` x {m.removeprefix('llama.cpp ')}" for m in llamas)], rows)
+
+
+def eval_scores(data: dict[str, Any]) -> str:
+    """``sfi eval``'s results (``results.json``): its report's task x method table."""
+    from sfi.eval.report import table_rows
+
+    header, cells = table_rows(data["summary"])
+    return _table(header, cells)
+
+
+def eval_averages(data: dict[str, Any]) -> str:
+    """``sfi eval``'s results: one line per method, its reads, its average score over the
+    tasks and its paired difference to full attention with the same weights, both with 95%
+    bootstrap intervals."""
+    from sfi.eval.report import table_rows
+
+    header, cells = table_rows(data["summary"])
+    if "avg" not in header:
+        raise ValueError("eval-averages averages retrieval tasks; these results hold none")
+    keep = [header.index(c) for c in ("context", "method", "retention", "avg", "95% CI",
+                                      "vs full [95% CI]")]
+    return _table(["context", "method", "reads per step", "score", "95% CI",
+                   "vs full [95% CI]"], [[row[i] for i in keep] for row in cells])
+
+
+def eval_items(data: dict[str, Any]) -> str:
+    """``sfi eval``'s results for the long-answer tasks (``codesN``): per method its reads, the
+    items found of those asked, the items lost and gained against full attention on the same
+    samples, and its paired score difference to full attention."""
+    from sfi.eval.report import table_rows
+
+    header, cells = table_rows(data["summary"])
+    delta = header.index("vs full [95% CI]")
+    rows = [[*row[:3], f"{e['items']['found']} / {e['items']['asked']}",
+             e["items"].get("lost_vs_full", "-"), e["items"].get("gained_vs_full", "-"),
+             row[delta]] for e, row in zip(data["summary"], cells) if "items" in e]
+    return _table(["context", "method", "retention", "items found", "lost vs full",
+                   "gained vs full", "score vs full [95% CI]"], rows)
+
+
+def eval_fidelity(data: dict[str, Any]) -> str:
+    """``sfi eval --tasks fidelity``'s results: per method its reads, KL(full || method) per
+    sample and their mean, top-1 agreement with full attention and the slow steps per sample."""
+    from sfi.eval.report import label
+
+    rows = []
+    for e in data["summary"]:
+        if "kl" not in e:  # a method of the merged runs with no fidelity rows
+            continue
+        mine = sorted((r for r in data["rows"] if r["task"] == "fidelity"
+                       and r["context"] == e["context"] and label(r) == e["label"]),
+                      key=lambda r: r["sample"])
+        slow = [r.get("slow_steps") for r in mine]
+        rows.append([e["context"], e["label"], f"{100 * e['retention']:.1f}%",
+                     " / ".join(f"{r['kl']:.3f}" for r in mine), f"{e['kl']:.3f}",
+                     f"{100 * e['top1']:.1f}",
+                     "-" if None in slow else " / ".join(map(str, slow))])
+    return _table(["context", "method", "retention", "KL by sample", "mean KL", "top1 %",
+                   "slow steps by sample"], rows)
+
+
+def eval_generation(data: dict[str, Any]) -> str:
+    """``sfi eval --tasks generation,generation_code``'s results: per method its reads and the
+    free-generation table of its report (full attention's top-1 agreement with the text, its
+    perplexity of the text over that of its own, distinct 4-grams over full attention's, 95%
+    intervals over the samples; the median first departure; identical texts)."""
+    def ci(g: dict[str, Any], key: str) -> str:
+        low, high = g.get(f"{key}_ci") or (None, None)
+        return f"{g[key]:.3f}" + ("" if low is None else f" [{low:.3f}, {high:.3f}]")
+
+    rows = [[e["context"], e["label"], f"{100 * e['retention']:.1f}%",
+             f"{100 * g['top1']:.1f}", ci(g, "ppl_ratio"),
+             ci(g, "distinct_ratio") if "distinct_ratio" in g else "-",
+             "-" if g["divergence_median"] is None else g["divergence_median"],
+             f"{g['identical']} of {g['samples']}"]
+            for e in data["summary"] if (g := e.get("generation"))]
+    return _table(["context", "method", "retention", "top1 %", "ppl ratio", "distinct-4 ratio",
+                   "first departure", "identical"], rows)
+
+
+def bench_modes(data: dict[str, Any]) -> str:
+    """``sfi bench --modes full,full-static,sfi,sfi-fast-only --json`` (one weight format and
+    batch): one line per context, each mode's decode tokens/s, ``sfi``'s speed-up over both
+    dense modes, the fast step of ``sfi`` and of ``sfi-fast-only`` and the fast step's byte
+    floor."""
+    cells: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in data["rows"]:
+        cells.setdefault(r["context"], {})[r["mode"]] = r
+
+    def num(r: dict[str, Any] | None, key: str, form: str, unit: str = "") -> str:
+        return "-" if r is None or r.get(key) is None else format(r[key], form) + unit
+
+    rows = []
+    for context, cell in cells.items():
+        sfi, fast = cell.get("sfi"), cell.get("sfi-fast-only")
+        rows.append([f"{context:,}", *(num(cell.get(m), "decode_tok_s", ".1f")
+                                       for m in ("full", "full-static", "sfi")),
+                     num(sfi, "speedup_vs_full_static", ".2f", "x"),
+                     num(sfi, "speedup_vs_full", ".2f", "x"),
+                     f"{num(sfi, 'fast_step_ms', '.1f')} / {num(fast, 'fast_step_ms', '.1f')} ms",
+                     num(sfi, "floor_ms", ".1f", " ms")])
+    return _table(["context", "full tok/s", "full-static tok/s", "sfi tok/s",
+                   "sfi x full-static", "sfi x full", "fast step, sfi / fast-only",
+                   "floor (fast step)"], rows)
+
+
+def vllm_engines(data: dict[str, Any]) -> str:
+    """``sfi bench-vllm --json``: one line per context and batch, each engine and mode's decode
+    tokens/s, vLLM + SFI against stock vLLM and sfi's default preset against stock vLLM and
+    each llama.cpp row of its cell (as ``scripts/engines_table.py`` prints it)."""
+    cells: dict[tuple[int, int], dict[tuple[str, str], float]] = {}
+    for r in data["rows"]:
+        cells.setdefault((r["context"], r["batch"]), {})[r["engine"], r["mode"]] = \
+            r["decode_tok_s"]
+    llamas = sorted({m for cell in cells.values() for e, m in cell if e == "llama.cpp"})
+
+    def rate(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    rows = []
+    for (context, batch), cell in sorted(cells.items()):
+        vllm, plugin = cell.get(("vllm", "vllm")), cell.get(("vllm", "vllm+sfi"))
+        sfi = cell.get(("sfi", "sfi"))
+        ratios = [f"{sfi / vllm:.2f}x vLLM"] if sfi and vllm else []
+        ratios += [f"{sfi / r:.2f}x {m}" for m in llamas
+                   if sfi and (r := cell.get(("llama.cpp", m)))]
+        rows.append([f"{context:,}", batch, rate(vllm),
+                     rate(plugin) + (f" ({plugin / vllm:.2f}x)" if plugin and vllm else ""),
+                     rate(cell.get(("sfi", "full"))),
+                     rate(sfi) + (f" ({', '.join(ratios)})" if ratios else ""),
+                     rate(cell.get(("sfi", "sfi-fast-only"))),
+                     *(rate(cell.get(("llama.cpp", m))) for m in llamas)])
+    return _table(["context", "batch", "vLLM", "vLLM + SFI", "sfi: full", "sfi: SFI",
+                   "sfi: fast step only",
+                   *(f"llama.cpp {m}" if m != "full" else "llama.cpp" for m in llamas)], rows)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "weight-products": weight_products, "weight-format-steps": weight_format_steps,
-    "versus-llama-cpp": versus_llama_cpp}
+    "versus-llama-cpp": versus_llama_cpp, "dense-sfi-peer": dense_sfi_peer,
+    "sfi-against-peers": sfi_against_peers,
+    "eval-scores": eval_scores, "eval-averages": eval_averages, "eval-items": eval_items,
+    "eval-fidelity": eval_fidelity, "eval-generation": eval_generation,
+    "bench-modes": bench_modes, "vllm-engines": vllm_engines}
+
+
+def load_data(files: list[Path], only: list[str] | None = None) -> dict[str, Any]:
+    """The data a table renders: one JSON file, or several as one (``sfi eval`` results
+    merged as ``sfi report`` merges them, other files' ``rows`` joined in order); ``only``
+    keeps the ``sfi eval`` summary entries of those labels, in the report's order."""
+    loaded = [json.loads(f.read_text(encoding="utf-8")) for f in files]
+    names = ", ".join(f.name for f in files)
+    evals = sum("summary" in d for d in loaded)
+    if len(loaded) == 1:
+        data = loaded[0]
+    elif evals == len(loaded):
+        from sfi.eval.report import merge_results
+
+        data = merge_results(loaded)
+    elif evals:
+        raise ValueError(f"{names}: sfi eval results and other data cannot make one table")
+    else:
+        data = {**loaded[0], "rows": [r for d in loaded for r in d["rows"]]}
+    if only is not None:
+        if "summary" not in data:
+            raise ValueError(f"only= picks sfi eval methods; {names} hold no eval summary")
+        missing = set(only) - {e["label"] for e in data["summary"]}
+        if missing:
+            raise ValueError(f"only=: no method labelled {', '.join(sorted(missing))} in "
+                             f"{names}")
+        data = {**data, "summary": [e for e in data["summary"] if e["label"] in only]}
+    return data
+
+
+def parse_marker(spec: str) -> tuple[str, list[str], list[str] | None]:
+    """``NAME FILE[,FILE...] [only=LABEL|LABEL...]`` (a marker's text) -> the renderer's name,
+    the files, the labels (which may hold spaces: ``full (int8)``)."""
+    name, _, rest = spec.strip().partition(" ")
+    files, _, extra = rest.strip().partition(" ")
+    extra = extra.strip()
+    if name not in RENDERERS:
+        raise ValueError(f"no table renderer named {name!r}")
+    if not files:
+        raise ValueError(f"table {name}: no data file")
+    if extra and (not extra.startswith("only=") or extra == "only="):
+        raise ValueError(f"table {name}: {extra!r} is not only=LABEL|LABEL...")
+    only = [label.strip() for label in extra.removeprefix("only=").split("|")] if extra \
+        else None
+    return name, files.split(","), only
 
 
 def render(page: Path) -> str:
-    """``page``'s text with every marked table rendered again from its data (paths relative
-    to the page)."""
+    """``page``'s text with every marked table rendered again from its data: ``<!-- table:
+    NAME FILE[,FILE...] [only=LABEL|LABEL...] -->`` (paths relative to the page)."""
     text = page.read_text(encoding="utf-8")
 
     def again(match: re.Match[str]) -> str:
-        name, data_file = match.group(2), match.group(3)
-        if name not in RENDERERS:
-            raise ValueError(f"{page}: no table renderer named {name!r}")
-        data = json.loads((page.parent / data_file).read_text(encoding="utf-8"))
-        return match.group(1) + RENDERERS[name](data) + match.group(5)
+        try:
+            name, files, only = parse_marker(match.group(2))
+            data = load_data([page.parent / f for f in files], only)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"{page}: <!-- table: {match.group(2)} -->: {error}") from None
+        return match.group(1) + RENDERERS[name](data) + match.group(4)
 
     return BLOCK.sub(again, text)
 
