@@ -656,7 +656,7 @@ def test_a_fast_steps_reads_count_what_its_probes_read():
 def test_the_planner_counts_its_probes_reads_in_each_fast_step():
     """The same steps with two probe layers and without (probes that never flag: the same
     decisions): the fast steps' reads differ by what the probes read, no more."""
-    from sfi.core.coverage import probe_reads
+    from sfi.core.cost_model import probe_reads
 
     model = tiny_model("qwen2")  # 2 layers
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))

@@ -74,7 +74,7 @@ def test_the_books_fast_steps_count_what_their_probes_read():
     """Every fast row of the plugin is probed at each probe layer, which reads the page
     summaries, the pages' keys and, for lack of the kernel's log-sum-exp, the memory's keys
     again: a fast step's reads are the memory's and those, no more."""
-    from sfi.core.coverage import probe_reads
+    from sfi.core.cost_model import probe_reads
 
     config = SFIConfig(**{**SMALL, "trigger": "fixed", "period": 50, "coverage_layers": 2})
     requests = RequestBook(config, 4, slot_capacity(config, 4096), make_scorer("sfi", config),
@@ -591,11 +591,11 @@ def _probe_alone(layer, md, c):
         copy_runs_out,
         page_scores,
         pages_miss,
-        probe_page,
         with_next_pages,
     )
     from sfi.core.kernels import attention_logits
     from sfi.core.memory_tensors import MemoryTensors
+    from sfi.core.pages import probe_page
     from sfi.vllm.paged import read_blocks, read_positions
 
     plans, q = md.step.fast_plans, layer.query

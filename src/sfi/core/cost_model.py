@@ -11,7 +11,10 @@ reads are counted over.
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+from sfi.core.pages import probe_page
 
 
 def text_config(model_or_config: Any) -> Any:
@@ -96,3 +99,14 @@ def dense_reason(config: Any, weight_positions: int = 0) -> str:
     return (f"the context is shorter than {start:,} tokens, where sparse decoding starts to pay "
             f"for this model and budget ({rule}); force_sparse (--force-sparse) decodes sparsely "
             "anyway")
+
+
+def probe_reads(config: Any, context: int) -> float:
+    """The KV entries (a key and a value of one position) one probe layer reads per KV head of
+    a row of ``context`` tokens: the summaries of every page (two vectors a page, one entry;
+    the transformers path scores those before the recent window, R / P fewer),
+    and the keys of the pages it reads (``coverage_top``, one more with ``coverage_next``;
+    keys alone, half an entry a position). ``coverage_copy`` reads nothing more."""
+    page = probe_page(config)
+    read_pages = config.coverage_top + bool(config.coverage_next)
+    return math.ceil(context / page) + read_pages * page / 2

@@ -28,31 +28,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from sfi.core.kernels import attention_logits
 from sfi.core.scorers.quest import box_scores
-
-DEFAULT_PAGE = 16
-
-
-def probe_page(config: Any) -> int:
-    """The page size of a configuration's coverage probes (its key boxes): its ``page_size``
-    where pages are on, else :data:`DEFAULT_PAGE`."""
-    return config.page_size if config.page_size > 1 else DEFAULT_PAGE
-
-
-def probe_reads(config: Any, context: int) -> float:
-    """The KV entries (a key and a value of one position) one probe layer reads per KV head of
-    a row of ``context`` tokens: the summaries of every page (two vectors a page, one entry;
-    the transformers path scores those before the recent window, R / P fewer),
-    and the keys of the pages it reads (``coverage_top``, one more with ``coverage_next``;
-    keys alone, half an entry a position). ``coverage_copy`` reads nothing more."""
-    page = probe_page(config)
-    read_pages = config.coverage_top + bool(config.coverage_next)
-    return math.ceil(context / page) + read_pages * page / 2
 
 
 def probe_layers(count: int, layer_ids: Sequence[int], dense_layers: int) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -156,3 +157,12 @@ class PageSummaries:
         self.boxes[:, :, first:count] = page_boxes(new_low, new_high)
         self.done, self.count = t, count
         return self
+
+
+DEFAULT_PAGE = 16
+
+
+def probe_page(config: Any) -> int:
+    """The page size of a configuration's coverage probes (its key boxes): its ``page_size``
+    where pages are on, else :data:`DEFAULT_PAGE`."""
+    return config.page_size if config.page_size > 1 else DEFAULT_PAGE

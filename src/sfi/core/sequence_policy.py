@@ -13,8 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from sfi.core.config import SFIConfig
-from sfi.core.cost_model import dense_reason
-from sfi.core.coverage import probe_reads
+from sfi.core.cost_model import dense_reason, probe_reads
 from sfi.core.decode_stats import DecodeStats
 from sfi.core.scorers import Scorer
 from sfi.core.triggers import BOOTSTRAP, COVERAGE, REFRESH_REASONS, RefreshTrigger
@@ -159,7 +158,7 @@ def fast_read_fraction(seq: SequenceState, total: int, layers: Iterable[int],
     averaged over the slow-fast ``layers`` (model indices): the memory at most of them, the
     whole context at the first ``dense_layers`` ones and at ``dense_reads`` more (layers whose
     rebuild was not ready), and at ``probes`` of them what a coverage probe reads beside the
-    memory (:func:`sfi.core.coverage.probe_reads`; with ``probes_reread_memory`` also the
+    memory (:func:`sfi.core.cost_model.probe_reads`; with ``probes_reread_memory`` also the
     memory's keys once more, half an entry a position: the vLLM plugin's probes, whose
     attention kernel gives them no log-sum-exp). With probes, or where the memory holds the
     whole context, a fast step can read more than the context."""

@@ -24,10 +24,10 @@ from dataclasses import replace
 import torch
 
 from sfi.core.config import SFIConfig
-from sfi.core.coverage import probe_layers, probe_page
+from sfi.core.coverage import probe_layers
 from sfi.core.kernels import additive_bias, evidence_bias
 from sfi.core.memory_tensors import MemoryTensors
-from sfi.core.pages import page_shifts
+from sfi.core.pages import page_shifts, probe_page
 from sfi.core.refresh_selection import SelectionGroup, SelectionRule
 from sfi.core.rows import Rows
 from sfi.core.scorers import Scorer

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from sfi.core.coverage import probe_page, unheld_pages
+from sfi.core.coverage import unheld_pages
 from sfi.core.memory_tensors import MemoryTensors, memory_positions
 from sfi.core.overlap import Refresh
-from sfi.core.pages import PageSummaries
+from sfi.core.pages import PageSummaries, probe_page
 from sfi.core.refresh_selection import SelectionGroup, SelectionRule, reads_keys
 from sfi.core.rows import Rows
 from sfi.vllm.metadata import PlannedStep, SFIMetadata, layer_index

@@ -29,11 +29,11 @@ from sfi.core.coverage import (
     copy_runs_out,
     missing_rows,
     page_scores,
-    probe_page,
     with_next_pages,
 )
 from sfi.core.kernels import attention_logits
 from sfi.core.memory_tensors import MemoryTensors
+from sfi.core.pages import probe_page
 from sfi.vllm.paged import KeyLayout, read_blocks, read_positions
 
 
