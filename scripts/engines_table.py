@@ -16,48 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sfi.bench.doc_tables import vllm_engines
 from sfi.bench.plots import plot_engines
 
 
-def _rate(cell: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> float | None:
-    row = cell.get(key)
-    return row["decode_tok_s"] if row else None
-
-
 def table(results: list[dict[str, Any]]) -> str:
-    cells: dict[tuple[int, int], dict[tuple[str, str], dict[str, Any]]] = {}
-    runs: dict[tuple[int, int], int] = {}
-    for run, result in enumerate(results):
-        for row in result["rows"]:
-            where = (row["context"], row["batch"])
-            if runs.setdefault(where, run) != run:
-                sys.exit(f"context {where[0]}, batch {where[1]} was measured in two runs: "
-                         "ratios compare rows of one run only")
-            cells.setdefault(where, {})[(row["engine"], row["mode"])] = row
-    llamas = sorted({mode for cell in cells.values() for engine, mode in cell
-                     if engine == "llama.cpp"})
-    head = (["context", "batch", "vLLM", "vLLM + SFI", "sfi: full", "sfi: SFI",
-             "sfi: fast step only"] + [f"llama.cpp {m}" if m != "full" else "llama.cpp"
-                                          for m in llamas])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (context, batch), cell in sorted(cells.items()):
-        vllm, plugin = _rate(cell, ("vllm", "vllm")), _rate(cell, ("vllm", "vllm+sfi"))
-        sfi = _rate(cell, ("sfi", "sfi"))
-        ratios = [f"{sfi / vllm:.2f}x vLLM"] if sfi and vllm else []
-        ratios += [f"{sfi / r:.2f}x {m}" for m in llamas
-                   if sfi and (r := _rate(cell, ("llama.cpp", m)))]
-        values = [f"{context:,}", str(batch), _fmt(vllm),
-                  _fmt(plugin) + (f" ({plugin / vllm:.2f}x)" if plugin and vllm else ""),
-                  _fmt(_rate(cell, ("sfi", "full"))),
-                  _fmt(sfi) + (f" ({', '.join(ratios)})" if ratios else ""),
-                  _fmt(_rate(cell, ("sfi", "sfi-fast-only")))]
-        values += [_fmt(_rate(cell, ("llama.cpp", m))) for m in llamas]
-        lines.append("| " + " | ".join(values) + " |")
-    return "\n".join(lines)
-
-
-def _fmt(rate: float | None) -> str:
-    return "-" if rate is None else f"{rate:.1f}"
+    """Every run's rows as one table (:func:`sfi.bench.doc_tables.vllm_engines`)."""
+    try:
+        return vllm_engines({"rows": [row for result in results for row in result["rows"]]})
+    except ValueError as error:
+        sys.exit(str(error))
 
 
 def main() -> None:

@@ -164,3 +164,13 @@ def test_a_malformed_table_marker_is_an_error_not_a_table_left_unchecked(tmp_pat
         text = path.read_text(encoding="utf-8")
         openers = re.findall(r"^<!-- table:", text, flags=re.M)  # (not those quoted in code)
         assert len(openers) == len(BLOCK.findall(text)), path
+
+
+def test_a_vllm_cell_measured_in_two_runs_is_refused():
+    """Ratios compare rows of one run: a (context, batch, engine, mode) twice is an error."""
+    from sfi.bench.doc_tables import vllm_engines
+
+    row = {"context": 4096, "batch": 1, "engine": "vllm", "mode": "vllm", "decode_tok_s": 8.0}
+    assert "| 4,096 | 1 | 8.0 |" in vllm_engines({"rows": [row]})
+    with pytest.raises(ValueError, match="measured twice"):
+        vllm_engines({"rows": [row, dict(row, decode_tok_s=9.0)]})

@@ -25,6 +25,11 @@ def _row(cells: list[Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def _rate(value: float | None) -> str:
+    """A tokens/s cell: one decimal, ``-`` where nothing was measured."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join([_row(header), _row(["---"] * len(header)), *map(_row, rows)]) + "\n"
 
@@ -77,33 +82,6 @@ def versus_llama_cpp(data: dict[str, Any]) -> str:
                    "sfi x llama.cpp"], rows)
 
 
-def dense_sfi_peer(data: dict[str, Any]) -> str:
-    """``sfi bench --weights ... --gguf ... --json``, one line per context and weight format:
-    the dense step (``full-static``), the SFI default's tokens/s and their ratio, and the
-    ratio to llama.cpp's fastest row of the same context and batch (its setting named)."""
-    cells = {(r["context"], r["batch"], r["weights"], r["mode"]): r["decode_tok_s"]
-             for r in data["rows"]}
-    peer: dict[tuple[int, int], dict[str, Any]] = {}
-    for r in data["rows"]:
-        key = (r["context"], r["batch"])
-        if r["mode"].startswith("llama.cpp") and (
-                key not in peer or r["decode_tok_s"] > peer[key]["decode_tok_s"]):
-            peer[key] = r
-    rows = []
-    for (context, batch, weights, mode), sfi in cells.items():
-        dense = cells.get((context, batch, weights, "full-static"))
-        other = peer.get((context, batch))
-        if mode != "sfi" or dense is None:
-            continue
-        rows.append([f"{context:,}", weights, f"{dense:.2f}", f"{sfi:.2f}",
-                     f"{sfi / dense:.2f}x",
-                     "-" if other is None else
-                     f"{other['decode_tok_s']:.2f} ({other['mode'].removeprefix('llama.cpp ')})",
-                     "-" if other is None else f"{sfi / other['decode_tok_s']:.2f}x"])
-    return _table(["context", "weights", "dense tokens/s", "SFI tokens/s", "SFI x dense",
-                   "llama.cpp tokens/s", "SFI x llama.cpp"], rows)
-
-
 def sfi_against_peers(data: dict[str, Any]) -> str:
     """``sfi bench --modes full-static,sfi,sfi-fast-only --gguf ... --json``, one line per
     context and weight format of sfi's rows: the decode tokens/s of the dense step
@@ -120,9 +98,6 @@ def sfi_against_peers(data: dict[str, Any]) -> str:
                 r["decode_tok_s"]
     llamas = sorted({m for cell in peers.values() for m in cell})
 
-    def rate(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1f}"
-
     def ratio(value: float | None, base: float | None) -> str:
         return "-" if not value or not base else f"{value / base:.2f}x"
 
@@ -130,8 +105,8 @@ def sfi_against_peers(data: dict[str, Any]) -> str:
     for (context, batch, weights), cell in ours.items():
         peer = peers.get((context, batch), {})
         sfi, dense = cell.get("sfi"), cell.get("full-static")
-        rows.append([f"{context:,}", weights, rate(dense), rate(sfi), ratio(sfi, dense),
-                     rate(cell.get("sfi-fast-only")), *(rate(peer.get(m)) for m in llamas),
+        rows.append([f"{context:,}", weights, _rate(dense), _rate(sfi), ratio(sfi, dense),
+                     _rate(cell.get("sfi-fast-only")), *(_rate(peer.get(m)) for m in llamas),
                      *(ratio(sfi, peer.get(m)) for m in llamas)])
     return _table(["context", "weights", "dense, preallocated", "`sfi` (default preset)",
                    "x dense", "fast step alone", *llamas,
@@ -245,15 +220,16 @@ def bench_modes(data: dict[str, Any]) -> str:
 def vllm_engines(data: dict[str, Any]) -> str:
     """``sfi bench-vllm --json``: one line per context and batch, each engine and mode's decode
     tokens/s, vLLM + SFI against stock vLLM and sfi's default preset against stock vLLM and
-    each llama.cpp row of its cell (as ``scripts/engines_table.py`` prints it)."""
+    each llama.cpp row of its cell (``scripts/engines_table.py`` prints it). A row measured
+    twice (two runs of one cell joined) is refused: ratios compare rows of one run only."""
     cells: dict[tuple[int, int], dict[tuple[str, str], float]] = {}
     for r in data["rows"]:
-        cells.setdefault((r["context"], r["batch"]), {})[r["engine"], r["mode"]] = \
-            r["decode_tok_s"]
+        cell = cells.setdefault((r["context"], r["batch"]), {})
+        if (r["engine"], r["mode"]) in cell:
+            raise ValueError(f"context {r['context']}, batch {r['batch']}: {r['engine']} "
+                             f"{r['mode']} measured twice; ratios compare rows of one run only")
+        cell[r["engine"], r["mode"]] = r["decode_tok_s"]
     llamas = sorted({m for cell in cells.values() for e, m in cell if e == "llama.cpp"})
-
-    def rate(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1f}"
 
     rows = []
     for (context, batch), cell in sorted(cells.items()):
@@ -262,12 +238,12 @@ def vllm_engines(data: dict[str, Any]) -> str:
         ratios = [f"{sfi / vllm:.2f}x vLLM"] if sfi and vllm else []
         ratios += [f"{sfi / r:.2f}x {m}" for m in llamas
                    if sfi and (r := cell.get(("llama.cpp", m)))]
-        rows.append([f"{context:,}", batch, rate(vllm),
-                     rate(plugin) + (f" ({plugin / vllm:.2f}x)" if plugin and vllm else ""),
-                     rate(cell.get(("sfi", "full"))),
-                     rate(sfi) + (f" ({', '.join(ratios)})" if ratios else ""),
-                     rate(cell.get(("sfi", "sfi-fast-only"))),
-                     *(rate(cell.get(("llama.cpp", m))) for m in llamas)])
+        rows.append([f"{context:,}", batch, _rate(vllm),
+                     _rate(plugin) + (f" ({plugin / vllm:.2f}x)" if plugin and vllm else ""),
+                     _rate(cell.get(("sfi", "full"))),
+                     _rate(sfi) + (f" ({', '.join(ratios)})" if ratios else ""),
+                     _rate(cell.get(("sfi", "sfi-fast-only"))),
+                     *(_rate(cell.get(("llama.cpp", m))) for m in llamas)])
     return _table(["context", "batch", "vLLM", "vLLM + SFI", "sfi: full", "sfi: SFI",
                    "sfi: fast step only",
                    *(f"llama.cpp {m}" if m != "full" else "llama.cpp" for m in llamas)], rows)
@@ -275,8 +251,7 @@ def vllm_engines(data: dict[str, Any]) -> str:
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "weight-products": weight_products, "weight-format-steps": weight_format_steps,
-    "versus-llama-cpp": versus_llama_cpp, "dense-sfi-peer": dense_sfi_peer,
-    "sfi-against-peers": sfi_against_peers,
+    "versus-llama-cpp": versus_llama_cpp, "sfi-against-peers": sfi_against_peers,
     "eval-scores": eval_scores, "eval-averages": eval_averages, "eval-items": eval_items,
     "eval-fidelity": eval_fidelity, "eval-generation": eval_generation,
     "bench-modes": bench_modes, "vllm-engines": vllm_engines}

@@ -163,11 +163,11 @@ def fast_read_fraction(seq: SequenceState, total: int, layers: Iterable[int],
     attention kernel gives them no log-sum-exp). With probes, or where the memory holds the
     whole context, a fast step can read more than the context."""
     layers = tuple(layers)
-    context = total - seq.pad
-    read = seq.memory.read(total) / context
+    context, memory = total - seq.pad, seq.memory.read(total)
+    read = memory / context
     dense = sum(i < seq.config.dense_layers for i in layers) + dense_reads
     if layers and (dense or probes):
-        again = seq.memory.read(total) / 2 if probes_reread_memory else 0.0
+        again = memory / 2 if probes_reread_memory else 0.0
         extra = probes * (probe_reads(seq.config, context) + again) / context
         read = (dense + (len(layers) - dense) * read + extra) / len(layers)
     return read

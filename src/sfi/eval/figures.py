@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from sfi.eval.report import Row, label, markdown, short_label
+from sfi.eval.report import AS_CONFIGURED, Row, label, markdown, short_label
 
 
 def plot_all(result: Row, folder: Path) -> list[str]:
@@ -33,8 +33,8 @@ def plot_score_vs_budget(result: Row, folder: Path) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(11, 5))
     lines: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
-    for e in summary:  # sfi@default (budget 0) is a point of its own, not of the budget sweep
-        method = f"{e['method']}@default" if e["budget"] == 0 else e["method"]
+    for e in summary:  # sfi@default is a point of its own, not of the budget sweep
+        method = f"{e['method']}@default" if e["budget"] == AS_CONFIGURED else e["method"]
         lines[(method, e["weights"], e["context"])].append(
             (100 * e["retention"], e["average"]))
     colours = plt.get_cmap("tab20").colors

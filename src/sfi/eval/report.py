@@ -15,6 +15,8 @@ from sfi.eval.tasks import GENERATION_TASKS, LIST_TASKS, RETRIEVAL_TASKS, TASKS
 Row = dict[str, Any]
 
 
+AS_CONFIGURED = 0.0  # a row's budget where SFI ran as configured (``sfi@default``)
+
 SHORT_FIELDS = {"pool_kernel": "pool", "page_size": "page", "nms_strength": "nms",
                 "coverage_layers": "cov", "coverage_gap": "gap", "coverage_top": "top",
                 "coverage_threshold": "thr", "coverage_heads": "heads", "pin_fraction": "pin",
@@ -35,7 +37,7 @@ def short_label(method: str) -> str:
 def label(row: Row) -> str:
     """``method@budget`` (``full`` alone), followed by the weight format in brackets where it
     is not ``native`` (``sfi@0.1 (int8)``); ``sfi@default`` where SFI ran as configured."""
-    budget = "default" if row["budget"] == 0 else f"{row['budget']:g}"
+    budget = "default" if row["budget"] == AS_CONFIGURED else f"{row['budget']:g}"
     name = "full" if row["method"] == "full" else f"{row['method']}@{budget}"
     return _with_weights(name, row.get("weights", "native"))
 

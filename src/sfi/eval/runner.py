@@ -25,6 +25,7 @@ from sfi.decoding.stopping import StopChecker
 from sfi.errors import SFIError
 from sfi.eval.fidelity import teacher_forced_fidelity
 from sfi.eval.generation import GenerationScores, first_divergence, full_attention_scores
+from sfi.eval.report import AS_CONFIGURED
 from sfi.eval.tasks import (
     GENERATION_TASKS,
     LIST_TASKS,
@@ -40,7 +41,6 @@ from sfi.hf.methods import Method, budget_tokens, build_cache, parse_method
 from sfi.hf.slowfast_cache import SlowFastCache
 
 WINDOW = 32  # SnapKV's observation window; SFI's evidence is the last 16 of these queries
-AS_CONFIGURED = 0.0  # ``sfi@default``'s budget: K and the cost model as ``sfi.generate`` runs them
 FIDELITY_TOKENS = 512
 
 
@@ -350,9 +350,6 @@ def run_eval(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
         raise SFIError("the fidelity task compares a method's next-token distribution with full "
                        "attention's; exact mode's is full attention's by construction (drop "
                        "sfi:exact from --methods, or fidelity from --tasks)")
-    for _, budget in runs:
-        if budget != AS_CONFIGURED:
-            budget_tokens(budget, max(contexts))  # validate before any prefill
     rows: list[EvalRow] = []
     for context in contexts:
         for task in tasks:
