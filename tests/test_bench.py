@@ -48,6 +48,7 @@ def test_bench_json_schema_on_a_tiny_model(tmp_path, smol_tokenizer):
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["bandwidth_gb_s"] > 0 and out["skipped"] == []
+    assert out["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     rows = out["rows"]
     assert len(rows) == 2 * 2 * len(MODES)
     logged = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]

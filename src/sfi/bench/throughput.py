@@ -21,6 +21,8 @@ read (weights + the KV entries it attends) over the memory bandwidth measured on
 
 from __future__ import annotations
 
+import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +79,20 @@ class BenchRow:
     mean_draft: float | None = None
     exact_dense_steps: int | None = None
     same_tokens_as_full: bool | None = None
+
+
+def machine() -> dict[str, Any]:
+    """What a benchmark ran on, kept with its rows: the CPU's model name (``/proc/cpuinfo``, or
+    ``platform.processor()`` elsewhere), the vector instructions PyTorch dispatches to
+    (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, ``AVX2``, ...), the cores torch
+    uses and torch's version. Figures move with all four."""
+    name = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(errors="replace"), re.M)
+        name = found.group(1).strip() if found else name
+    return {"cpu": name, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def measure_bandwidth(megabytes: int = 512, repeats: int = 5,
@@ -417,6 +433,7 @@ def run_bench(model: torch.nn.Module, tokenizer: Any, *, contexts: Sequence[int]
             rows.extend(cell)
             del prefix
     return {
+        "machine": machine(),
         "bandwidth_gb_s": round(bandwidth, 2),
         "weight_bytes": weight_bytes(model),
         "kv_bytes_per_token": kv_bytes_per_entry(model),

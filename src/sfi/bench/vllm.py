@@ -32,6 +32,7 @@ from sfi.bench.llama_cpp import decode_times, gguf_weights
 from sfi.bench.throughput import (
     benchmark_ids,
     kv_bytes_per_entry,
+    machine,
     measure_bandwidth,
     measure_cell,
     step_rates,
@@ -275,7 +276,7 @@ def run_vllm_bench(path: str | Path, model: Any, tokenizer: Any, *, contexts: Se
     device = current_platform.device_name
     if current_platform.is_cuda():
         device = current_platform.get_device_name()
-    return {"vllm": vllm.__version__, "device": device, "dtype": dtype,
+    return {"vllm": vllm.__version__, "device": device, "machine": machine(), "dtype": dtype,
             "eager": eager, "config": config.to_dict(),
             "own_kv": own_kv if own_engine else None,
             "bandwidth_gb_s": round(bandwidth, 2) if bandwidth else None,

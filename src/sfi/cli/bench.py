@@ -111,8 +111,10 @@ def bench_cmd(
         columns.update(EXACT_COLUMNS)
     if len(format_list) > 1:
         columns = {"weights": "weights", **columns, "speedup_vs_native": "x native"}
-    print_table(f"{model}: decode throughput ({result['bandwidth_gb_s']} GB/s measured memory "
-                 "bandwidth)", list(columns.values()),
+    cpu = result["machine"]
+    print_table(f"{model}: decode throughput on {cpu['cpu']} ({cpu['cpu_capability']}, "
+                f"{cpu['threads']} threads; {result['bandwidth_gb_s']} GB/s measured memory "
+                "bandwidth)", list(columns.values()),
                  ([row[c] for c in columns] for row in result["rows"]), wide=True)
     if result["fidelity"]:
         print_table("weight formats against native weights (teacher-forced, full attention)",
