@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 from helpers import lockstep
 
-from sfi import SFIConfig, SFIError, SlowFastCache
+from sfi import SFIConfig, SFIConfigError, SFIError, SlowFastCache
 from sfi.core.selector import (
     hysteresis_keep,
     pool_positions,
@@ -306,6 +306,41 @@ def test_retry_margin_does_an_uncertain_fast_step_again_densely():
     # the step's token comes from its second pass (dense, over the fast steps' KV)
     assert not torch.allclose(some.sfi_logits[first], plain.sfi_logits[first])
     assert some.cache.stats().refresh_reasons["margin"] >= 1
+
+
+def test_stop_margin_does_a_fast_step_that_would_end_the_text_again_densely():
+    """A fast step whose most likely next token is one of the model's end-of-sequence ids (its
+    lead under ``stop_margin``; 1.0: any lead) is done again at once as the row's slow step
+    (reason ``stop``); steps whose top token is anything else are what they are without the
+    lever, and without an end-of-sequence id nothing is done again."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+
+    def run(margin: float):
+        config = SFIConfig(sink=2, recent=4, k_head=6, force_sparse=True, trigger="fixed",
+                           period=50, page_size=4, coverage_layers=0, stop_margin=margin)
+        return lockstep(model, ids, config, steps=10)
+
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    plain = run(1.0)  # no end-of-sequence id: the lever has nothing to check
+    assert [k[0] for k in plain.kinds] == ["slow"] + ["fast"] * 10
+    tops = [int(logits[0].argmax()) for logits in plain.sfi_logits]
+    first = 3  # the fast step whose token is made the model's end of text
+    model.generation_config.eos_token_id = tops[first]
+    checked = run(1.0)
+    kinds = [k[0] for k in checked.kinds]
+    stops = [i for i in range(1, 11) if tops[i] == tops[first]]
+    assert kinds[:first] == ["slow"] + ["fast"] * (first - 1) and kinds[first] == "slow"
+    for a, b in zip(checked.sfi_logits[:first], plain.sfi_logits[:first]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    reasons = checked.cache.stats().refresh_reasons
+    assert 1 <= reasons["stop"] <= len(stops) and reasons["margin"] == 0
+    assert checked.cache.get_seq_length() == checked.reference.get_seq_length() == 90
+    none = run(1e-9)  # a lead no real step falls under: nothing done again
+    assert [k[0] for k in none.kinds] == ["slow"] + ["fast"] * 10
+    with pytest.raises(SFIConfigError, match="repair_tokens and stop_margin cannot"):
+        SFIConfig(repair_tokens=8, stop_margin=0.5)
 
 
 def test_a_step_flagged_by_its_probes_counts_as_coverage_not_margin():

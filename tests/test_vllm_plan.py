@@ -503,7 +503,7 @@ def test_the_plugin_takes_every_option_but_those_that_run_a_step_again():
     from sfi.vllm.settings import EXACT_FIELDS, REDO_FIELDS, parse_settings
 
     assert set(EXACT_FIELDS) == {"draft_tokens", "draft_min", "draft_max", "draft_fallback"}
-    assert set(REDO_FIELDS) == {"coverage_retry", "retry_margin", "repair_tokens"}
+    assert set(REDO_FIELDS) == {"coverage_retry", "retry_margin", "stop_margin", "repair_tokens"}
     config = SFIConfig()
     for field in fields(SFIConfig):
         value = getattr(config, field.name)
@@ -515,7 +515,8 @@ def test_the_plugin_takes_every_option_but_those_that_run_a_step_again():
                 parse_settings(text)
         else:
             assert getattr(parse_settings(text)[0], field.name) == value, field.name
-    on = {"coverage_retry": "true", "retry_margin": "0.1", "repair_tokens": "64"}
+    on = {"coverage_retry": "true", "retry_margin": "0.1", "stop_margin": "1.0",
+          "repair_tokens": "64"}
     for name, value in on.items():
         with pytest.raises(SFIConfigError, match=f"{name} runs a step or positions again"):
             parse_settings(f"{name}={value}")

@@ -231,6 +231,15 @@ class SFIConfig:
     the read fraction (0 = off; transformers path, models whose layers all attend fully; exact
     mode's drafts are not done again)."""
 
+    stop_margin: float = 0.0
+    """A checked stop: a fast step whose most likely next token ends the text (an
+    end-of-sequence id of the model's generation config, its config or its tokenizer) and
+    leads the second by less than this much probability is done again at once as the row's
+    slow step (reason ``stop``), as ``retry_margin`` does for any token and whatever
+    ``min_refresh_gap`` says, so that an answer ends where dense attention ends it, not where a
+    fast step's memory does; 1.0 checks every such step (0 = off; transformers path, models
+    whose layers all attend fully; exact mode's drafts are not done again)."""
+
     # --- exact mode (``mode="exact"``: fast steps draft, one dense forward verifies) ---
     draft_tokens: int = 4
     """Exact mode: gamma, the fast steps drafted before each dense verify, to start with (it
@@ -291,7 +300,8 @@ class SFIConfig:
         _require_int("seed", self.seed, 0)
         _require_int("repair_tokens", self.repair_tokens, 0)
         _require_float("retry_margin", self.retry_margin, 0.0, 1.0)
-        for retry in ("coverage_retry", "retry_margin"):
+        _require_float("stop_margin", self.stop_margin, 0.0, 1.0)
+        for retry in ("coverage_retry", "retry_margin", "stop_margin"):
             if self.repair_tokens and getattr(self, retry):
                 raise SFIConfigError(f"repair_tokens and {retry} cannot be combined: a step "
                                      f"{retry} does again is not repaired; turn one off")

@@ -29,7 +29,8 @@ class DecodeStats:
         refresh_reasons: refreshes by cause: ``bootstrap`` (after prefill, or the first time the
             context is long enough), ``sentence``, ``interval`` (reuse budget), ``period``
             (ablation policies), ``coverage`` (the coverage probes), ``margin`` (an uncertain
-            fast step done again, ``SFIConfig.retry_margin``).
+            fast step done again, ``SFIConfig.retry_margin``), ``stop`` (a fast step that would
+            end the text done again, ``SFIConfig.stop_margin``).
         fast_read_fraction: mean over fast steps of (entries read) / (context length).
         repaired_tokens: positions re-run densely by repairing slow steps before their own
             (``SFIConfig.repair_tokens``: this row's, or another's in its batch, which every

@@ -29,7 +29,9 @@ INTERVAL = "interval"
 PERIOD = "period"
 COVERAGE = "coverage"  # the fast memory missed a page the query bounds highly (sfi.core.coverage)
 MARGIN = "margin"  # a fast step's next token was uncertain: done again (SFIConfig.retry_margin)
-REFRESH_REASONS: tuple[str, ...] = (BOOTSTRAP, SENTENCE, INTERVAL, PERIOD, COVERAGE, MARGIN)
+STOP = "stop"  # a fast step would end the text: done again (SFIConfig.stop_margin)
+REFRESH_REASONS: tuple[str, ...] = (BOOTSTRAP, SENTENCE, INTERVAL, PERIOD, COVERAGE, MARGIN,
+                                    STOP)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ C compact slots (sink + selected) per KV head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +19,7 @@ from sfi.core.memory_tensors import MemoryTensors
 from sfi.core.refresh_selection import SelectionGroup
 from sfi.core.rows import Rows
 from sfi.core.sequence_policy import DENSE, SLOW, Memory
-from sfi.core.triggers import COVERAGE, MARGIN
+from sfi.core.triggers import COVERAGE
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class StepPlan:
     probes: tuple[Probe, ...] = ()
     phase: str | None = None
     block_bias: torch.Tensor | None = None  # a block's [B or 1, Q, T]: causal, pads, holes
-    redo: Redo | None = None  # this forward does a decode step again (coverage_retry, retry_margin)
+    redo: Redo | None = None  # a decode step done again (coverage_retry, retry_margin, stop_margin)
     inputs: tuple[tuple[int, ...], ...] | None = None  # a prompt's last inputs (repair_tokens)
 
     def outcome(self) -> tuple[tuple[str, ...], tuple[str | None, ...], dict[int, Memory]]:
@@ -193,18 +194,19 @@ BLOCK_PHASES: tuple[str, ...] = (VERIFY, REPAIR)
 class Redo:
     """A decode step done again at once: ``first`` is the plan that ran, ``flagged`` the fast
     rows done again (their coverage probes found their memory missing attention mass,
-    ``SFIConfig.coverage_retry``, or their next token was uncertain, ``retry_margin``: those
-    done again for that alone also in ``uncertain``), ``missed`` every row the probes flagged
-    (a row whose coverage refresh is not due yet keeps its flag, as without the redo). In the
-    second pass the flagged rows take a slow step (reason ``coverage``, or ``margin`` for the
-    ``uncertain``); the first pass's slow rows, whose refresh is in place already, attend
+    ``SFIConfig.coverage_retry``, or their next token was uncertain, ``retry_margin``, or would
+    end the text, ``stop_margin``: those done again for their next token alone keyed in
+    ``reasons`` by their refresh reason, ``margin`` or ``stop``), ``missed`` every row the
+    probes flagged (a row whose coverage refresh is not due yet keeps its flag, as without the
+    redo). In the second pass the flagged rows take a slow step (reason ``coverage``, or their
+    ``reasons`` entry); the first pass's slow rows, whose refresh is in place already, attend
     densely (what their slow step computed); every other row does what it did, with the same
     result."""
 
     first: StepPlan
     flagged: frozenset[int]
     missed: frozenset[int] = frozenset()
-    uncertain: frozenset[int] = frozenset()
+    reasons: Mapping[int, str] = field(default_factory=dict)
 
     def kinds(self) -> tuple[list[str], list[str | None]]:
         """Each row's kind and refresh reason in the second pass."""
@@ -213,7 +215,7 @@ class Redo:
         for row, kind in enumerate(self.first.kinds):
             if row in self.flagged:
                 kinds.append(SLOW)
-                reasons.append(MARGIN if row in self.uncertain else COVERAGE)
+                reasons.append(self.reasons.get(row, COVERAGE))
             else:
                 kinds.append(DENSE if row in slow else kind)
                 reasons.append(None)

@@ -45,7 +45,7 @@ from sfi.core.sequence_policy import (
     repair_span,
     sparse_pays,
 )
-from sfi.core.triggers import BOOTSTRAP, RefreshTrigger
+from sfi.core.triggers import BOOTSTRAP, MARGIN, STOP, RefreshTrigger
 from sfi.errors import SFIError
 from sfi.hf.plan import (
     BLOCK_PHASES,
@@ -74,10 +74,11 @@ class Planner:
     ``compact_width`` (C) only grows: it is the widest sink + K any refresh has needed.
     """
 
-    def __init__(self, layer_ids: Sequence[int] = ()) -> None:
+    def __init__(self, layer_ids: Sequence[int] = (), stops: Collection[int] = ()) -> None:
         self.sequences: list[SequenceState] = []
         self.compact_width = 0
         self.layer_ids = tuple(layer_ids)
+        self.stops = frozenset(stops)  # the model's end-of-sequence ids (stop_margin)
 
     def start(self, pads: Sequence[int], config: SFIConfig, trigger: TriggerFactory,
               scorer: Scorer, dense_only: bool, weight_positions: int = 0) -> None:
@@ -333,30 +334,43 @@ class Planner:
         self.compact_width = max(widths)
 
     def redo_rows(self, plan: StepPlan, missed: Collection[int],
-                  logits: torch.Tensor | None = None) -> tuple[frozenset[int], frozenset[int]]:
-        """The rows of a decode step ``plan`` to do again at once (:class:`Redo`), and those
-        of them done again for their margin alone: fast rows whose probes flagged their memory,
-        whose configuration asks for it (``coverage_retry``) and whose coverage refresh is due
-        (``coverage_gap``); and fast rows whose next token was uncertain (``retry_margin``,
-        from the step's output ``logits [B, Q, V]``, the last position's)."""
+                  logits: torch.Tensor | None = None) -> tuple[frozenset[int], dict[int, str]]:
+        """The rows of a decode step ``plan`` to do again at once (:class:`Redo`), and the
+        refresh reason of those done again for their next token alone: fast rows whose probes
+        flagged their memory, whose configuration asks for it (``coverage_retry``) and whose
+        coverage refresh is due (``coverage_gap``); fast rows whose next token was uncertain
+        (``retry_margin``: reason ``margin``) or would end the text with too small a lead
+        (``stop_margin``: reason ``stop``), from the step's output ``logits [B, Q, V]``, the
+        last position's."""
         if plan.phase is not None or not plan.decode:
-            return frozenset(), frozenset()
+            return frozenset(), {}
         seqs = self.sequences
         flagged = frozenset(row for row in missed if plan.kinds[row] == FAST
                             and seqs[row].config.coverage_retry
                             and seqs[row].steps_since_refresh + 1
                             >= seqs[row].config.coverage_gap)
         asks = [row for row, kind in enumerate(plan.kinds)
-                if kind == FAST and seqs[row].config.retry_margin > 0 and row not in flagged]
+                if kind == FAST and row not in flagged
+                and (seqs[row].config.retry_margin > 0
+                     or (seqs[row].config.stop_margin > 0 and self.stops))]
         if not asks:
-            return flagged, frozenset()
+            return flagged, {}
         if logits is None or logits.dim() != 3:
-            raise SFIError("retry_margin needs the model's output logits [batch, positions, "
-                           "vocabulary] after each step (a causal LM returning .logits)")
-        margins = top_margin(logits[asks, -1]).tolist()
-        uncertain = frozenset(row for row, margin in zip(asks, margins)
-                              if margin < seqs[row].config.retry_margin)
-        return flagged | uncertain, uncertain
+            asking = [f for f in ("retry_margin", "stop_margin")
+                      if any(getattr(seqs[row].config, f) for row in asks)]
+            raise SFIError(f"{' and '.join(asking)} needs the model's output logits [batch, "
+                           "positions, vocabulary] after each step (a causal LM returning "
+                           ".logits)")
+        last = logits[asks, -1]
+        margins, tops = top_margin(last).tolist(), last.argmax(-1).tolist()
+        reasons: dict[int, str] = {}
+        for row, margin, top in zip(asks, margins, tops):
+            config = seqs[row].config
+            if margin < config.retry_margin:
+                reasons[row] = MARGIN
+            elif top in self.stops and (margin < config.stop_margin or config.stop_margin >= 1):
+                reasons[row] = STOP
+        return flagged | frozenset(reasons), reasons
 
     def executed_kinds(self, plan: StepPlan, lagged: dict[int, int]) -> tuple[str, ...]:
         """Per row, what the step did: ``plan.kinds`` (a redone step's merged kinds) with

@@ -30,6 +30,7 @@ from sfi.errors import SFIError
 from sfi.hf.attention import WritesInAttention
 from sfi.hf.cache_layers import attention_of, build_layers, resolve_tokenizer
 from sfi.hf.context import StepContext, current_step
+from sfi.hf.facts import eos_token_ids
 from sfi.hf.layer_attention import SlowFastAttention
 from sfi.hf.plan import Redo, StepPlan
 from sfi.hf.planner import Planner, TriggerFactory
@@ -99,9 +100,11 @@ class SlowFastCache(WritesInAttention, Cache):
         super().__init__(layers=build_layers(model, capacity))
         self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
         self.attention = attention_of(self.layers)
-        self.planner = Planner(self._layer_ids)
+        self._stops = frozenset(eos_token_ids(model, tokenizer))  # stop_margin's end tokens
+        self.planner = Planner(self._layer_ids, self._stops)
         for name, forgets in (("repair_tokens", "the positions it re-runs"),
-                              ("retry_margin", "the step it does again")):
+                              ("retry_margin", "the step it does again"),
+                              ("stop_margin", "the step it does again")):
             if getattr(self.config, name) and not self._rewindable():
                 raise SFIError(f"{name} needs every layer of the model to attend fully (a "
                                f"sliding-window layer cannot forget {forgets})")
@@ -150,7 +153,8 @@ class SlowFastCache(WritesInAttention, Cache):
         """The planned forward ran (its output ``logits [B, Q, V]``, where the model gave
         them): commit its plan and record what it did; or, where its probes flagged rows that
         redo such a step (``coverage_retry``) or a row's next token was uncertain
-        (``retry_margin``), forget the position it wrote and return True: the caller runs the
+        (``retry_margin``) or would end the text (``stop_margin``), forget the position it wrote
+        and return True: the caller runs the
         same forward again (``sfi.hf.routing``), whose plan is the :class:`~sfi.hf.plan.Redo`
         of this one."""
         plan: StepPlan = step.plan
@@ -159,13 +163,13 @@ class SlowFastCache(WritesInAttention, Cache):
             attention.settle()  # commit what is ready (inside the forward's inference mode)
         missed, copying = step.coverage.missing()
         step.missed.update(missed)
-        flagged, uncertain = (self.planner.redo_rows(plan, step.missed, logits)
-                              if plan.redo is None else (frozenset(), frozenset()))
+        flagged, reasons = (self.planner.redo_rows(plan, step.missed, logits)
+                            if plan.redo is None else (frozenset(), {}))
         step.missed.update(copying)  # the next step needs more; this one was served
         if flagged and self._rewindable():
             for layer in self._sfi_layers():
                 layer.truncate(plan.total_length - plan.query_length)
-            self._redo = Redo(plan, flagged, frozenset(step.missed), uncertain)
+            self._redo = Redo(plan, flagged, frozenset(step.missed), reasons)
             return True
         self.planner.commit(plan, step.lagged, self.planner.layer_ids, step.missed)
         self._kinds = self.planner.executed_kinds(plan, step.lagged)
@@ -405,7 +409,7 @@ class SlowFastCache(WritesInAttention, Cache):
     def reset(self) -> None:
         super().reset()
         self.attention = attention_of(self.layers)
-        self.planner = Planner(self._layer_ids)
+        self.planner = Planner(self._layer_ids, self._stops)
         self._kinds = ()
         self._redo = None
 

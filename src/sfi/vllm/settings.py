@@ -15,7 +15,7 @@ ENV = "SFI_VLLM"
 DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries per layer)
 EXACT_FIELDS = ("draft_tokens", "draft_min", "draft_max", "draft_fallback")  # sfi.decoding.exact's
 #: fields whose behaviour is the transformers path's alone: a step, or positions, run again
-REDO_FIELDS = ("coverage_retry", "retry_margin", "repair_tokens")
+REDO_FIELDS = ("coverage_retry", "retry_margin", "stop_margin", "repair_tokens")
 
 
 def parse_config(spec: str) -> SFIConfig:
