@@ -37,13 +37,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import sfi
-from sfi.bench.throughput import benchmark_ids
+from sfi.bench.throughput import benchmark_ids, machine
 from sfi.decoding.decode_step import decode_one
 from sfi.decoding.prefill import prefill
 from sfi.decoding.prefix import SharedPrefill, prefix_kv
@@ -143,6 +145,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--prefill-cache", default=None)
     parser.add_argument("--json", action="store_true", help="one JSON object per run")
+    parser.add_argument("--out", default=None,
+                        help="also write every run to this JSON file, with the settings (the "
+                             "`kv-drift` table of docs/studies.md renders it)")
     parser.add_argument("--block-cost", action="store_true",
                         help="time dense forwards of 1-24 tokens instead (what a repair costs)")
     args = parser.parse_args()
@@ -170,6 +175,12 @@ def main() -> None:
                   f"(KL fast {row['kl_fast']:.4f}, slow "
                   f"{row['kl_slow'] if row['kl_slow'] is None else round(row['kl_slow'], 4)})",
                   flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "model": args.model, "context": args.context, "tokens": args.tokens,
+            "method": args.method, "budget": args.budget, "machine": machine(),
+            "command": "python scripts/kv_drift.py " + " ".join(sys.argv[1:]),
+            "rows": [r for rows in results.values() for r in rows]}, indent=1) + "\n")
     if not args.json:
         for variant, rows in results.items():
             print(f"{variant:5s} mean KL {statistics.mean(r['kl'] for r in rows):.4f}  top-1 "

@@ -174,3 +174,69 @@ def test_a_vllm_cell_measured_in_two_runs_is_refused():
     assert "| 4,096 | 1 | 8.0 |" in vllm_engines({"rows": [row]})
     with pytest.raises(ValueError, match="measured twice"):
         vllm_engines({"rows": [row, dict(row, decode_tok_s=9.0)]})
+
+
+# a cell that reads as a measurement: a share, a ratio, a time, a rate, a fraction of 3 digits
+MEASURED = re.compile(r"\d%|\b\d+(?:\.\d+)?x\b|\d ?ms\b|\d s\b|tok/s|GB/s|\d\.\d{3}")
+
+
+def _manual_pages() -> list[Path]:
+    """README and the docs pages a user reads; the generated configuration page and the
+    eval reports (each `sfi eval` writes its own from its results) aside."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             ROOT / "docs" / "eval" / "weight-formats.md"]
+    return [p for p in pages if p.name != "configuration.md"]
+
+
+def _unmarked_tables(text: str) -> list[tuple[int, str]]:
+    """(line, row) of each table row outside a ``<!-- table: ... -->`` block."""
+    rows, inside = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("<!-- table:"):
+            inside = True
+        elif line.startswith("<!-- /table"):
+            inside = False
+        elif line.startswith("|") and not inside:
+            rows.append((number, line))
+    return rows
+
+
+def test_every_measured_table_is_rendered_from_its_data():
+    """A table of measurements typed by hand cannot be checked against its data: every such
+    table in README and the manual's pages is a marked block that
+    ``test_every_table_marked_as_data_is_what_its_data_renders`` compares."""
+    for page in _manual_pages():
+        for number, row in _unmarked_tables(page.read_text(encoding="utf-8")):
+            assert not MEASURED.search(row), (
+                f"{page.relative_to(ROOT)}:{number}: a table of measurements typed by hand; "
+                f"render it from its JSON with <!-- table: RENDERER FILE --> ({row[:80]})")
+
+
+def test_the_measured_table_check_can_fail():
+    text = "| context | tok/s |\n|---|---|\n| 4,096 | 12.3 tok/s |\n"
+    assert any(MEASURED.search(row) for _, row in _unmarked_tables(text))
+    marked = "<!-- table: bench-modes d.json -->\n" + text + "<!-- /table -->\n"
+    assert _unmarked_tables(marked) == []
+
+
+def test_no_page_reads_as_a_run_history():
+    """The docs say what is true now; run histories belong to commit messages and notes."""
+    history = re.compile(r"earlier series|not kept|not rerun|the issue's", re.I)
+    for page in _manual_pages():
+        found = history.search(page.read_text(encoding="utf-8"))
+        assert not found, (page.relative_to(ROOT), found.group(0))
+
+
+def test_llama_cpp_with_flash_attention_on_and_off_shows_the_faster():
+    from sfi.bench.doc_tables import sfi_against_peers
+
+    rows = [{"context": 8192, "batch": 1, "weights": "int8", "mode": "sfi", "decode_tok_s": 20.0},
+            {"context": 8192, "batch": 1, "weights": "Q8_0", "mode": "llama.cpp Q8_0",
+             "decode_tok_s": 10.0},
+            {"context": 8192, "batch": 1, "weights": "Q8_0", "mode": "llama.cpp Q8_0 no-fa",
+             "decode_tok_s": 16.0}]
+    table = sfi_against_peers({"rows": rows})
+    assert "llama.cpp Q8_0 (faster of flash attn on/off)" in table
+    assert "| 16.0 | 1.25x |" in table
+    one = sfi_against_peers({"rows": rows[:2]})  # one setting: its own name, its own figure
+    assert "| llama.cpp Q8_0 |" in one and "| 10.0 | 2.00x |" in one

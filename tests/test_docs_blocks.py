@@ -45,7 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # The pages whose blocks are checked (to extend to docs/benchmarks.md, docs/evaluation.md,
 # docs/studies.md: add them and mark what they do not run).
 PAGES = ("README.md", "docs/index.md", "docs/usage.md", "docs/exact.md", "docs/server.md",
-         "docs/vllm.md", "docs/gpu.md", "docs/troubleshooting.md", "docs/method.md")
+         "docs/vllm.md", "docs/gpu.md", "docs/troubleshooting.md", "docs/method.md",
+         "docs/benchmarks.md", "docs/evaluation.md", "docs/studies.md",
+         "docs/eval/weight-formats.md", "docs/supported-models.md", "docs/glossary.md",
+         "docs/api.md", "docs/testing.md", "docs/sglang.md")
 
 RUN_SHELL = {"bash", "sh", "shell"}
 RUN_PYTHON = {"python", "py", "python3"}
@@ -220,7 +223,10 @@ def sfi_commands(text: str, first: int = 1) -> tuple[list[tuple[int, list[str]]]
                     and segment[1:3] == ["-m", "sfi"]):
                 commands.append((number, segment[3:]))
                 found += 1
-        if sum(token == "sfi" or token.endswith("/sfi") for token in tokens) != found:
+        words = sum((token == "sfi" or token.endswith("/sfi"))
+                    and not (i and tokens[i - 1].startswith("--"))  # --methods sfi: a value
+                    for i, token in enumerate(tokens))
+        if words != found:
             problems.append(f"{number}: sfi appears where no command starts: {line.strip()}")
     return commands, problems
 
@@ -408,13 +414,15 @@ def test_sfi_commands_are_found_where_a_shell_would_run_them():
              "(echo hi; sfi generate --prompt-file a.txt) > out.txt 2>&1 && sfi demo | tee log\n"
              ".venv-vllm/bin/sfi bench-vllm --contexts 4096 --json > b.json\n"
              "python -m sfi eval --tasks passkey\n"
+             "sfi eval --methods sfi --tasks passkey\n"
              "time sfi demo\n")
     commands, problems = sfi_commands(block, 10)
     assert commands == [(11, ["serve", "--port", "8000", "--max-batch", "8"]),
                         (13, ["generate", "--prompt-file", "a.txt"]), (13, ["demo"]),
                         (14, ["bench-vllm", "--contexts", "4096", "--json"]),
-                        (15, ["eval", "--tasks", "passkey"])]
-    assert problems == ["16: sfi appears where no command starts: time sfi demo"]
+                        (15, ["eval", "--tasks", "passkey"]),
+                        (16, ["eval", "--methods", "sfi", "--tasks", "passkey"])]
+    assert problems == ["17: sfi appears where no command starts: time sfi demo"]
 
 
 # --- the blocks that run ---------------------------------------------------------------------

@@ -46,20 +46,41 @@ def weight_products(data: dict[str, Any]) -> str:
     return _table(["weight (out x in), 1 row", *paths], rows)
 
 
+def weight_fidelity(data: dict[str, Any]) -> str:
+    """``sfi bench --weights native,FORMAT... --json`` (one file or several, each its model's):
+    per model and format, the weight bytes a step reads (native's beside them) and the
+    format's teacher-forced fidelity to native weights: KL mean and max, top-1 agreement,
+    perplexity of the real text (native's beside it)."""
+    rows = []
+    for part in data.get("parts", [data]):
+        sizes = part["weight_bytes_by_format"]
+        for f in part["fidelity"]:
+            native = sizes.get("native", part.get("weight_bytes"))
+            rows.append([part["model"], f["weights"],
+                         f"{sizes[f['weights']] / 1e6:,.0f} MB (native {native / 1e6:,.0f} MB)",
+                         f"{f['kl_mean']:.1e}", f"{f['kl_max']:.1e}", f"{100 * f['top1']:.1f}%",
+                         f"{f['ppl']:.3f} ({f['ppl_native']:.3f})"])
+    return _table(["model", "weights", "weight bytes read per step", "KL mean", "KL max",
+                   "top-1 agreement", "perplexity (native)"], rows)
+
+
 def weight_format_steps(data: dict[str, Any]) -> str:
-    """``sfi bench --weights ... --json``: decode tokens/s and step times per format, context
-    and mode, with the byte floor and the ratio to the same format's dense step."""
+    """``sfi bench --weights ... --json``: decode tokens/s and step times per format, context,
+    batch and mode, with the byte floor, the ratio to the same format's dense step (where
+    ``full-static`` ran) and to native weights in the same mode."""
     dense = {(r["weights"], r["context"], r["batch"]): r["decode_tok_s"] for r in data["rows"]
              if r["mode"] == "full-static"}
     rows = []
     for r in data["rows"]:
         step = r["fast_step_ms"] if r["fast_step_ms"] is not None else r["step_ms"]
         base = dense.get((r["weights"], r["context"], r["batch"]))
-        rows.append([r["weights"], f"{r['context']:,}", f"`{r['mode']}`",
+        native = r.get("speedup_vs_native")
+        rows.append([r["weights"], f"{r['context']:,}", r["batch"], f"`{r['mode']}`",
                      f"{r['decode_tok_s']:.2f}", f"{step:.1f}", f"{r['floor_ms']:.1f}",
-                     f"{r['decode_tok_s'] / base:.2f}x" if base else "-"])
-    return _table(["weights", "context", "mode", "tokens/s", "step (fast step) ms",
-                   "byte floor ms", "x dense, same weights"], rows)
+                     f"{r['decode_tok_s'] / base:.2f}x" if base else "-",
+                     "-" if native is None or r["weights"] == "native" else f"{native:.2f}x"])
+    return _table(["weights", "context", "batch", "mode", "tokens/s", "step (fast step) ms",
+                   "byte floor ms", "x dense, same weights", "x native, same mode"], rows)
 
 
 def versus_llama_cpp(data: dict[str, Any]) -> str:
@@ -86,20 +107,31 @@ def sfi_against_peers(data: dict[str, Any]) -> str:
     """``sfi bench --modes full-static,sfi,sfi-fast-only --gguf ... --json``, one line per
     context and weight format of sfi's rows: the decode tokens/s of the dense step
     (``full-static``), of the default preset (``sfi``) with its ratio to the dense step and of
-    the fast step alone (``sfi-fast-only``), each llama.cpp row's tokens/s at the same context
-    and batch, and ``sfi``'s ratio to each."""
+    the fast step alone (``sfi-fast-only``), each GGUF's llama.cpp tokens/s at the same context
+    and batch (the faster of flash attention on and off where both ran), and ``sfi``'s ratio to
+    each."""
+    from sfi.bench.llama_cpp import NO_FLASH_ATTN
+
     ours: dict[tuple[int, int, str], dict[str, float]] = {}
     peers: dict[tuple[int, int], dict[str, float]] = {}
+    settings: dict[str, set[str]] = {}
     for r in data["rows"]:
         if r["mode"].startswith("llama.cpp"):
-            peers.setdefault((r["context"], r["batch"]), {})[r["mode"]] = r["decode_tok_s"]
+            gguf = r["mode"].removesuffix(f" {NO_FLASH_ATTN}")
+            settings.setdefault(gguf, set()).add(r["mode"])
+            cell = peers.setdefault((r["context"], r["batch"]), {})
+            cell[gguf] = max(cell.get(gguf, 0.0), r["decode_tok_s"])
         else:
             ours.setdefault((r["context"], r["batch"], r["weights"]), {})[r["mode"]] = \
                 r["decode_tok_s"]
-    llamas = sorted({m for cell in peers.values() for m in cell})
+    llamas = sorted(settings)
 
     def ratio(value: float | None, base: float | None) -> str:
         return "-" if not value or not base else f"{value / base:.2f}x"
+
+    def named(gguf: str) -> str:  # the mode as run, or both settings' faster
+        modes = settings[gguf]
+        return next(iter(modes)) if len(modes) == 1 else f"{gguf} (faster of flash attn on/off)"
 
     rows = []
     for (context, batch, weights), cell in ours.items():
@@ -109,7 +141,7 @@ def sfi_against_peers(data: dict[str, Any]) -> str:
                      _rate(cell.get("sfi-fast-only")), *(_rate(peer.get(m)) for m in llamas),
                      *(ratio(sfi, peer.get(m)) for m in llamas)])
     return _table(["context", "weights", "dense, preallocated", "`sfi` (default preset)",
-                   "x dense", "fast step alone", *llamas,
+                   "x dense", "fast step alone", *map(named, llamas),
                    *(f"`sfi` x {m.removeprefix('llama.cpp ')}" for m in llamas)], rows)
 
 
@@ -149,6 +181,111 @@ def eval_items(data: dict[str, Any]) -> str:
              row[delta]] for e, row in zip(data["summary"], cells) if "items" in e]
     return _table(["context", "method", "retention", "items found", "lost vs full",
                    "gained vs full", "score vs full [95% CI]"], rows)
+
+
+def eval_samples(data: dict[str, Any]) -> str:
+    """``sfi eval``'s rows one sample at a time (for a few samples run again with levers):
+    per task, sample and needle depth, each method's score, the start of its output and its
+    reads."""
+    from sfi.eval.report import label
+
+    methods = list(dict.fromkeys(label(r) for r in data["rows"]))
+    cells: dict[tuple[str, int, Any], dict[str, dict[str, Any]]] = {}
+    for r in data["rows"]:
+        cells.setdefault((r["task"], r["sample"], r.get("depth")), {})[label(r)] = r
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "-"
+        start = " ".join(r["output"].split())[:14].replace("|", "/").replace("`", "'")
+        return f"{r['score']:.0f}: `{start}` ({100 * r['retention']:.1f}%)"
+
+    rows = [[task, sample, "-" if depth is None else depth, *(cell(by.get(m)) for m in methods)]
+            for (task, sample, depth), by in cells.items()]
+    return _table(["task", "sample", "depth", *methods], rows)
+
+
+def kv_drift(data: dict[str, Any]) -> str:
+    """``scripts/kv_drift.py --out``: per variant of the decoded tokens' KV (as decoded,
+    repaired at slow steps, repaired at every step) KL(full || SFI) per sample and its mean,
+    top-1 agreement, slow steps per sample and the read fraction."""
+    names = {"none": "as decoded", "slow": "repaired at slow steps",
+             "every": "repaired at every step"}
+    rows = []
+    for variant, name in names.items():
+        mine = sorted((r for r in data["rows"] if r["variant"] == variant),
+                      key=lambda r: r["seed"])
+        if not mine:
+            continue
+        mean = sum(r["kl"] for r in mine) / len(mine)
+        rows.append([name, " / ".join(f"{r['kl']:.3f}" for r in mine), f"{mean:.3f}",
+                     f"{100 * sum(r['top1'] for r in mine) / len(mine):.1f}",
+                     " / ".join(str(r["slow_steps"]) for r in mine),
+                     f"{100 * sum(r['read'] for r in mine) / len(mine):.1f}%"])
+    return _table(["decoded tokens' KV", "KL by sample", "mean KL", "top-1 %",
+                   "slow steps by sample", "read"], rows)
+
+
+def exact_identity(data: dict[str, Any]) -> str:
+    """``scripts/exact_identity.py``'s output: per model, the prompts decoded with
+    ``mode="exact"`` whose tokens are full attention's, the tokens, verify steps and drafted
+    tokens, the share of all drafts accepted and the lowest share of one prompt (of those that
+    drafted)."""
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for r in data["rows"]:
+        by_model.setdefault(r["model"], []).append(r)
+    rows = []
+    for model, mine in by_model.items():
+        drafted = sum(r["drafted"] for r in mine)
+        accepted = sum(r["acceptance"] * r["drafted"] for r in mine)
+        lowest = min(r["acceptance"] for r in mine if r["drafted"])
+        rows.append([model, len(mine), sum(r["identical"] for r in mine),
+                     f"{sum(r['new_tokens'] for r in mine):,}",
+                     sum(r["verify_steps"] for r in mine), f"{drafted:,}",
+                     f"{100 * accepted / drafted:.1f}%", f"{100 * lowest:.1f}%"])
+    return _table(["model", "prompts", "identical to full", "tokens", "verifies", "drafts",
+                   "acceptance (all drafts)", "lowest per prompt"], rows)
+
+
+def exact_steps(data: dict[str, Any]) -> str:
+    """``sfi bench --modes full,sfi,sfi-exact --json``: per context and batch, decode tokens/s
+    of full attention, lossy SFI and exact mode, exact mode against full attention, its
+    drafts' acceptance, the tokens each verify kept and its dense steps (per row at batch > 1)."""
+    cells: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for r in data["rows"]:
+        cells.setdefault((r["context"], r["batch"]), {})[r["mode"]] = r
+    rows = []
+    for (context, batch), cell in cells.items():
+        exact = cell.get("sfi-exact")
+        if exact is None:
+            continue
+        lossy = cell.get("sfi")
+        rows.append([f"{context:,}", batch, _rate(cell["full"]["decode_tok_s"]),
+                     _rate(lossy["decode_tok_s"] if lossy else None),
+                     _rate(exact["decode_tok_s"]), f"{exact['speedup_vs_full']:.2f}x",
+                     f"{100 * exact['acceptance']:.0f}%", f"{exact['tokens_per_verify']:.1f}",
+                     exact["exact_dense_steps"]])
+    return _table(["context", "batch", "full tok/s", "sfi (lossy) tok/s", "sfi-exact tok/s",
+                   "exact x full", "acceptance", "tokens / verify", "dense steps"], rows)
+
+
+def loadtest(data: dict[str, Any]) -> str:
+    """``sfi loadtest --json`` results, one line each: clients and mode (and the prompt
+    lengths where several), requests done, errors, tokens/s, median time to first token,
+    median and p99 inter-token latency, the join stall and the server's peak memory."""
+    rows = []
+    for r in data.get("rows", [data]):
+        name = f"{r['clients']}, {r['mode']}"
+        if len(r["prompt_chars"]) > 1:
+            name += ", prompts of " + " and ".join(f"{c:,}" for c in r["prompt_chars"]) \
+                + " characters"
+        rows.append([name, r["requests"], r["errors"], f"{r['tokens_per_s']:.2f}",
+                     f"{r['ttft_p50_ms'] / 1000:.1f} s",
+                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} ms",
+                     f"{r['join_stall_ms'] / 1000:.2f} s",
+                     f"{r['server_peak_rss_mb'] / 1000:.2f} GB"])
+    return _table(["clients, mode", "requests", "errors", "tokens/s", "TTFT p50",
+                   "inter-token p50 / p99", "join stall", "peak RSS"], rows)
 
 
 def eval_fidelity(data: dict[str, Any]) -> str:
@@ -220,7 +357,8 @@ def bench_modes(data: dict[str, Any]) -> str:
 def vllm_engines(data: dict[str, Any]) -> str:
     """``sfi bench-vllm --json``: one line per context and batch, each engine and mode's decode
     tokens/s, vLLM + SFI against stock vLLM and sfi's default preset against stock vLLM and
-    each llama.cpp row of its cell (``scripts/engines_table.py`` prints it). A row measured
+    each llama.cpp row of its cell (``scripts/engines_table.py`` prints it); an engine the run
+    left out (``--no-own-engine``) has no column. A row measured
     twice (two runs of one cell joined) is refused: ratios compare rows of one run only."""
     cells: dict[tuple[int, int], dict[tuple[str, str], float]] = {}
     for r in data["rows"]:
@@ -244,16 +382,21 @@ def vllm_engines(data: dict[str, Any]) -> str:
                      _rate(sfi) + (f" ({', '.join(ratios)})" if ratios else ""),
                      _rate(cell.get(("sfi", "sfi-fast-only"))),
                      *(_rate(cell.get(("llama.cpp", m))) for m in llamas)])
-    return _table(["context", "batch", "vLLM", "vLLM + SFI", "sfi: full", "sfi: SFI",
-                   "sfi: fast step only",
-                   *(f"llama.cpp {m}" if m != "full" else "llama.cpp" for m in llamas)], rows)
+    header = ["context", "batch", "vLLM", "vLLM + SFI", "sfi: full", "sfi: SFI",
+              "sfi: fast step only",
+              *(f"llama.cpp {m}" if m != "full" else "llama.cpp" for m in llamas)]
+    ran = [i for i in range(len(header)) if any(row[i] != "-" for row in rows)]  # engines run
+    return _table([header[i] for i in ran], [[row[i] for i in ran] for row in rows])
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "weight-products": weight_products, "weight-format-steps": weight_format_steps,
+    "weight-fidelity": weight_fidelity,
     "versus-llama-cpp": versus_llama_cpp, "sfi-against-peers": sfi_against_peers,
     "eval-scores": eval_scores, "eval-averages": eval_averages, "eval-items": eval_items,
-    "eval-fidelity": eval_fidelity, "eval-generation": eval_generation,
+    "eval-fidelity": eval_fidelity, "eval-samples": eval_samples,
+    "kv-drift": kv_drift, "exact-identity": exact_identity, "exact-steps": exact_steps,
+    "loadtest": loadtest, "eval-generation": eval_generation,
     "bench-modes": bench_modes, "vllm-engines": vllm_engines}
 
 
@@ -272,8 +415,9 @@ def load_data(files: list[Path], only: list[str] | None = None) -> dict[str, Any
         data = merge_results(loaded)
     elif evals:
         raise ValueError(f"{names}: sfi eval results and other data cannot make one table")
-    else:
-        data = {**loaded[0], "rows": [r for d in loaded for r in d["rows"]]}
+    else:  # a file with no rows (one ``sfi loadtest`` result) is one row
+        data = {**loaded[0], "rows": [r for d in loaded for r in d.get("rows", [d])],
+                "parts": loaded}
     if only is not None:
         if "summary" not in data:
             raise ValueError(f"only= picks sfi eval methods; {names} hold no eval summary")
