@@ -240,3 +240,10 @@ def test_llama_cpp_with_flash_attention_on_and_off_shows_the_faster():
     assert "| 16.0 | 1.25x |" in table
     one = sfi_against_peers({"rows": rows[:2]})  # one setting: its own name, its own figure
     assert "| llama.cpp Q8_0 |" in one and "| 10.0 | 2.00x |" in one
+
+
+def test_the_readme_fits_one_screen_of_reading():
+    """What SFI is, the two commands, install, quick starts, one table each of quality and
+    speed, where it pays, limits: about 150 lines; the rest belongs to docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 160, f"README.md has {lines} lines; move detail to docs/"

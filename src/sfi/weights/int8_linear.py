@@ -25,7 +25,7 @@ from sfi.weights.reduction import ReducedLinear
 
 #: what :func:`warn_if_slow` says on a CPU where int8 products are slow
 SLOW_INT8 = ("int8 weights decode several times slower than native ones on this CPU (no "
-             "AVX-512, and sfi's AVX2 kernel does not run: the int8 product reads about 1.5 "
+             "AVX-512, and sfi's AVX2 kernel does not run: the int8 product reads about 1.4 "
              "GB/s of weights here); use native weights")
 
 
