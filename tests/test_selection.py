@@ -312,7 +312,8 @@ def test_stop_margin_does_a_fast_step_that_would_end_the_text_again_densely():
     """A fast step whose most likely next token is one of the model's end-of-sequence ids (its
     lead under ``stop_margin``; 1.0: any lead) is done again at once as the row's slow step
     (reason ``stop``); steps whose top token is anything else are what they are without the
-    lever, and without an end-of-sequence id nothing is done again."""
+    lever; a row whose input ended already is not checked again; a model that names no
+    end-of-sequence id is refused, not silently left unchecked."""
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))
 
@@ -323,7 +324,9 @@ def test_stop_margin_does_a_fast_step_that_would_end_the_text_again_densely():
 
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
-    plain = run(1.0)  # no end-of-sequence id: the lever has nothing to check
+    with pytest.raises(SFIError, match="stop_margin needs the model's end-of-sequence id"):
+        run(1.0)
+    plain = run(0.0)
     assert [k[0] for k in plain.kinds] == ["slow"] + ["fast"] * 10
     tops = [int(logits[0].argmax()) for logits in plain.sfi_logits]
     first = 3  # the fast step whose token is made the model's end of text
@@ -341,6 +344,27 @@ def test_stop_margin_does_a_fast_step_that_would_end_the_text_again_densely():
     assert [k[0] for k in none.kinds] == ["slow"] + ["fast"] * 10
     with pytest.raises(SFIConfigError, match="repair_tokens and stop_margin cannot"):
         SFIConfig(repair_tokens=8, stop_margin=0.5)
+
+
+def test_a_row_that_ended_already_is_not_checked_again():
+    """A batch keeps decoding its ended rows: a row whose input is an end-of-sequence id is not
+    done again for predicting another; a row about to end is; a row whose margin is also under
+    ``retry_margin`` counts as ``margin``."""
+    from types import SimpleNamespace
+
+    from sfi.core.sequence_policy import FAST
+    from sfi.hf.planner import Planner
+
+    planner = Planner(stops={7})
+    check = SimpleNamespace(config=SFIConfig(stop_margin=1.0), steps_since_refresh=0)
+    both = SimpleNamespace(config=SFIConfig(stop_margin=1.0, retry_margin=1.0),
+                           steps_since_refresh=0)
+    planner.sequences = [check, check, both]
+    plan = SimpleNamespace(phase=None, decode=True, kinds=(FAST, FAST, FAST), tokens=(3, 7, 3))
+    logits = torch.zeros(3, 1, 10)
+    logits[:, 0, 7] = 5.0  # every row's top token is the end of text
+    rows, reasons = planner.redo_rows(plan, (), logits)
+    assert rows == {0, 2} and reasons == {0: "stop", 2: "margin"}
 
 
 def test_a_step_flagged_by_its_probes_counts_as_coverage_not_margin():
@@ -393,8 +417,8 @@ def test_a_flag_outlives_another_rows_redo(monkeypatch):
 
     redo_rows = Planner.redo_rows
     def row_0_alone(self, plan, missed, logits=None):
-        flagged, uncertain = redo_rows(self, plan, missed, logits)
-        return flagged & {0}, uncertain & {0}
+        flagged, reasons = redo_rows(self, plan, missed, logits)
+        return flagged & {0}, {row: why for row, why in reasons.items() if row == 0}
 
     monkeypatch.setattr(Planner, "redo_rows", row_0_alone)
     run = _every_memory_flagged(2, True)

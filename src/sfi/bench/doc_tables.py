@@ -30,6 +30,11 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` as ``1.23x``, ``-`` where either was not measured."""
+    return "-" if not value or not base else f"{value / base:.2f}x"
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join([_row(header), _row(["---"] * len(header)), *map(_row, rows)]) + "\n"
 
@@ -77,7 +82,7 @@ def weight_format_steps(data: dict[str, Any]) -> str:
         native = r.get("speedup_vs_native")
         rows.append([r["weights"], f"{r['context']:,}", r["batch"], f"`{r['mode']}`",
                      f"{r['decode_tok_s']:.2f}", f"{step:.1f}", f"{r['floor_ms']:.1f}",
-                     f"{r['decode_tok_s'] / base:.2f}x" if base else "-",
+                     _ratio(r["decode_tok_s"], base),
                      "-" if native is None or r["weights"] == "native" else f"{native:.2f}x"])
     return _table(["weights", "context", "batch", "mode", "tokens/s", "step (fast step) ms",
                    "byte floor ms", "x dense, same weights", "x native, same mode"], rows)
@@ -126,20 +131,18 @@ def sfi_against_peers(data: dict[str, Any]) -> str:
                 r["decode_tok_s"]
     llamas = sorted(settings)
 
-    def ratio(value: float | None, base: float | None) -> str:
-        return "-" if not value or not base else f"{value / base:.2f}x"
-
     def named(gguf: str) -> str:  # the mode as run, or both settings' faster
         modes = settings[gguf]
-        return next(iter(modes)) if len(modes) == 1 else f"{gguf} (faster of flash attn on/off)"
+        return next(iter(modes)) if len(modes) == 1 else \
+            f"{gguf} (faster of flash attn on/off, where both ran)"
 
     rows = []
     for (context, batch, weights), cell in ours.items():
         peer = peers.get((context, batch), {})
         sfi, dense = cell.get("sfi"), cell.get("full-static")
-        rows.append([f"{context:,}", weights, _rate(dense), _rate(sfi), ratio(sfi, dense),
+        rows.append([f"{context:,}", weights, _rate(dense), _rate(sfi), _ratio(sfi, dense),
                      _rate(cell.get("sfi-fast-only")), *(_rate(peer.get(m)) for m in llamas),
-                     *(ratio(sfi, peer.get(m)) for m in llamas)])
+                     *(_ratio(sfi, peer.get(m)) for m in llamas)])
     return _table(["context", "weights", "dense, preallocated", "`sfi` (default preset)",
                    "x dense", "fast step alone", *map(named, llamas),
                    *(f"`sfi` x {m.removeprefix('llama.cpp ')}" for m in llamas)], rows)
@@ -185,24 +188,29 @@ def eval_items(data: dict[str, Any]) -> str:
 
 def eval_samples(data: dict[str, Any]) -> str:
     """``sfi eval``'s rows one sample at a time (for a few samples run again with levers):
-    per task, sample and needle depth, each method's score, the start of its output and its
-    reads."""
+    per context, task, sample and needle depth, each method's score, the start of its output
+    and its reads."""
     from sfi.eval.report import label
 
     methods = list(dict.fromkeys(label(r) for r in data["rows"]))
-    cells: dict[tuple[str, int, Any], dict[str, dict[str, Any]]] = {}
+    tasks = list(dict.fromkeys(r["task"] for r in data["rows"]))
+    cells: dict[tuple[int, int, int, float], dict[str, dict[str, Any]]] = {}
     for r in data["rows"]:
-        cells.setdefault((r["task"], r["sample"], r.get("depth")), {})[label(r)] = r
+        key = (r["context"], tasks.index(r["task"]), r["sample"], r.get("depth") or 0.0)
+        cells.setdefault(key, {})[label(r)] = r
 
     def cell(r: dict[str, Any] | None) -> str:
         if r is None:
             return "-"
         start = " ".join(r["output"].split())[:14].replace("|", "/").replace("`", "'")
-        return f"{r['score']:.0f}: `{start}` ({100 * r['retention']:.1f}%)"
+        return f"{r['score']:g}: `{start}` ({100 * r['retention']:.1f}%)"
 
-    rows = [[task, sample, "-" if depth is None else depth, *(cell(by.get(m)) for m in methods)]
-            for (task, sample, depth), by in cells.items()]
-    return _table(["task", "sample", "depth", *methods], rows)
+    rows = []
+    for (context, task, sample, _), by in sorted(cells.items()):
+        depth = next(iter(by.values())).get("depth")
+        rows.append([f"{context:,}", tasks[task], sample, "-" if depth is None else depth,
+                     *(cell(by.get(m)) for m in methods)])
+    return _table(["context", "task", "sample", "depth", *methods], rows)
 
 
 def kv_drift(data: dict[str, Any]) -> str:
@@ -238,19 +246,21 @@ def exact_identity(data: dict[str, Any]) -> str:
     for model, mine in by_model.items():
         drafted = sum(r["drafted"] for r in mine)
         accepted = sum(r["acceptance"] * r["drafted"] for r in mine)
-        lowest = min(r["acceptance"] for r in mine if r["drafted"])
+        shares = [r["acceptance"] for r in mine if r["drafted"]]
         rows.append([model, len(mine), sum(r["identical"] for r in mine),
                      f"{sum(r['new_tokens'] for r in mine):,}",
                      sum(r["verify_steps"] for r in mine), f"{drafted:,}",
-                     f"{100 * accepted / drafted:.1f}%", f"{100 * lowest:.1f}%"])
-    return _table(["model", "prompts", "identical to full", "tokens", "verifies", "drafts",
-                   "acceptance (all drafts)", "lowest per prompt"], rows)
+                     f"{100 * accepted / drafted:.1f}%" if drafted else "-",
+                     f"{100 * min(shares):.1f}%" if shares else "-"])
+    return _table(["model", "prompts", "identical to full", "tokens",
+                   "verifies (summed over rows)", "drafts", "acceptance (all drafts)",
+                   "lowest per prompt"], rows)
 
 
 def exact_steps(data: dict[str, Any]) -> str:
     """``sfi bench --modes full,sfi,sfi-exact --json``: per context and batch, decode tokens/s
     of full attention, lossy SFI and exact mode, exact mode against full attention, its
-    drafts' acceptance, the tokens each verify kept and its dense steps (per row at batch > 1)."""
+    drafts' acceptance, the tokens each verify kept and its dense steps per row."""
     cells: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     for r in data["rows"]:
         cells.setdefault((r["context"], r["batch"]), {})[r["mode"]] = r
@@ -259,14 +269,15 @@ def exact_steps(data: dict[str, Any]) -> str:
         exact = cell.get("sfi-exact")
         if exact is None:
             continue
-        lossy = cell.get("sfi")
-        rows.append([f"{context:,}", batch, _rate(cell["full"]["decode_tok_s"]),
+        full, lossy = cell.get("full"), cell.get("sfi")
+        rows.append([f"{context:,}", batch, _rate(full["decode_tok_s"] if full else None),
                      _rate(lossy["decode_tok_s"] if lossy else None),
-                     _rate(exact["decode_tok_s"]), f"{exact['speedup_vs_full']:.2f}x",
+                     _rate(exact["decode_tok_s"]),
+                     _ratio(exact["decode_tok_s"], full["decode_tok_s"] if full else None),
                      f"{100 * exact['acceptance']:.0f}%", f"{exact['tokens_per_verify']:.1f}",
-                     exact["exact_dense_steps"]])
+                     f"{exact['exact_dense_steps'] / batch:g}"])
     return _table(["context", "batch", "full tok/s", "sfi (lossy) tok/s", "sfi-exact tok/s",
-                   "exact x full", "acceptance", "tokens / verify", "dense steps"], rows)
+                   "exact x full", "acceptance", "tokens / verify", "dense steps per row"], rows)
 
 
 def loadtest(data: dict[str, Any]) -> str:
@@ -274,7 +285,7 @@ def loadtest(data: dict[str, Any]) -> str:
     lengths where several), requests done, errors, tokens/s, median time to first token,
     median and p99 inter-token latency, the join stall and the server's peak memory."""
     rows = []
-    for r in data.get("rows", [data]):
+    for r in data["rows"]:
         name = f"{r['clients']}, {r['mode']}"
         if len(r["prompt_chars"]) > 1:
             name += ", prompts of " + " and ".join(f"{c:,}" for c in r["prompt_chars"]) \
@@ -283,7 +294,7 @@ def loadtest(data: dict[str, Any]) -> str:
                      f"{r['ttft_p50_ms'] / 1000:.1f} s",
                      f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} ms",
                      f"{r['join_stall_ms'] / 1000:.2f} s",
-                     f"{r['server_peak_rss_mb'] / 1000:.2f} GB"])
+                     f"{r['server_peak_rss_mb'] / 1024:.2f} GiB"])
     return _table(["clients, mode", "requests", "errors", "tokens/s", "TTFT p50",
                    "inter-token p50 / p99", "join stall", "peak RSS"], rows)
 
@@ -408,7 +419,8 @@ def load_data(files: list[Path], only: list[str] | None = None) -> dict[str, Any
     names = ", ".join(f.name for f in files)
     evals = sum("summary" in d for d in loaded)
     if len(loaded) == 1:
-        data = loaded[0]
+        data = loaded[0] if "rows" in loaded[0] or "summary" in loaded[0] else \
+            {**loaded[0], "rows": [loaded[0]]}  # one ``sfi loadtest`` result: one row
     elif evals == len(loaded):
         from sfi.eval.report import merge_results
 

@@ -55,6 +55,11 @@ def _require_float(name: str, value: Any, low: float | None = None, high: float 
         raise SFIConfigError(f"{name} must be <= {high}, got {value}")
 
 
+#: fields that run a decode step again (a fast step redone as a slow one) or positions again (a
+#: repair): the transformers path's alone, since vLLM schedules each step once
+REDO_FIELDS = ("coverage_retry", "retry_margin", "stop_margin", "repair_tokens")
+
+
 @dataclass(frozen=True)
 class SFIConfig:
     """Configuration of slow-fast decoding: the default preset (what measures best in
@@ -301,8 +306,8 @@ class SFIConfig:
         _require_int("repair_tokens", self.repair_tokens, 0)
         _require_float("retry_margin", self.retry_margin, 0.0, 1.0)
         _require_float("stop_margin", self.stop_margin, 0.0, 1.0)
-        for retry in ("coverage_retry", "retry_margin", "stop_margin"):
-            if self.repair_tokens and getattr(self, retry):
+        for retry in REDO_FIELDS:
+            if retry != "repair_tokens" and self.repair_tokens and getattr(self, retry):
                 raise SFIConfigError(f"repair_tokens and {retry} cannot be combined: a step "
                                      f"{retry} does again is not repaired; turn one off")
         _require_float("alpha", self.alpha, 0.0)

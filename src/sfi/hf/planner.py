@@ -341,7 +341,8 @@ class Planner:
         coverage refresh is due (``coverage_gap``); fast rows whose next token was uncertain
         (``retry_margin``: reason ``margin``) or would end the text with too small a lead
         (``stop_margin``: reason ``stop``), from the step's output ``logits [B, Q, V]``, the
-        last position's."""
+        last position's; a row whose input is an end-of-sequence id already (a batch keeps
+        decoding its ended rows) is not checked again."""
         if plan.phase is not None or not plan.decode:
             return frozenset(), {}
         seqs = self.sequences
@@ -368,7 +369,8 @@ class Planner:
             config = seqs[row].config
             if margin < config.retry_margin:
                 reasons[row] = MARGIN
-            elif top in self.stops and (margin < config.stop_margin or config.stop_margin >= 1):
+            elif (top in self.stops and plan.tokens[row] not in self.stops  # not ended already
+                  and (margin < config.stop_margin or config.stop_margin >= 1)):
                 reasons[row] = STOP
         return flagged | frozenset(reasons), reasons
 

@@ -6,9 +6,9 @@ implementation the model had and removes the hooks. Before each forward the pre-
 cache passed to the model (if it takes part: ``begin_forward``) for a
 :class:`~sfi.hf.context.StepContext` and makes it current; after the forward (even one that
 raised) the post-hook leaves it and tells the cache the step ran (``end_forward``); where the
-cache answers that the step must run again (``SFIConfig.coverage_retry``, ``retry_margin``:
-it is given the output's logits), the hook runs the same forward once more and returns its
-output instead.
+cache answers that the step must run again (``SFIConfig.coverage_retry``, ``retry_margin``,
+``stop_margin``: it is given the output's logits), the hook runs the same forward once more
+and returns its output instead.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _end(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     leave_step(token)
     if step is not None and output is not None and cache.end_forward(
             step, getattr(output, "logits", None)):
-        # the cache asks for the step again (coverage_retry, retry_margin)
+        # the cache asks for the step again (coverage_retry, retry_margin, stop_margin)
         return model(*args, **kwargs)
     return None
 

@@ -13,6 +13,7 @@ step did.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,14 +94,22 @@ class SlowFastCache(WritesInAttention, Cache):
         self._layer_ids: tuple[int, ...] = ()
         self.rebuilder: Rebuilder | None = None  # chosen on the first forward (needs the device)
         self._kinds: tuple[str, ...] = ()
-        self._redo: Redo | None = None  # the step to run again (coverage_retry), until it runs
+        self._redo: Redo | None = None  # a step to run again (coverage_retry, retry_margin,
+        # stop_margin), until it runs
         self.prompt_continues = False  # set between the chunks of a chunked prefill
         self.phase: str | None = None  # the next forward's: exact mode's, or a repair's
         capacity = int(max_cache_len) if max_cache_len else 256
         super().__init__(layers=build_layers(model, capacity))
         self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
         self.attention = attention_of(self.layers)
-        self._stops = frozenset(eos_token_ids(model, tokenizer))  # stop_margin's end tokens
+        self._stops = frozenset()  # stop_margin's end tokens: the model's end-of-sequence ids
+        if self.config.stop_margin:
+            with contextlib.suppress(SFIError):  # no tokenizer: the configs may name the id
+                tokenizer = resolve_tokenizer(model, tokenizer)
+            self._stops = frozenset(eos_token_ids(model, tokenizer))
+            if not self._stops:
+                raise SFIError("stop_margin needs the model's end-of-sequence id; its generation "
+                               "config, config and tokenizer name none")
         self.planner = Planner(self._layer_ids, self._stops)
         for name, forgets in (("repair_tokens", "the positions it re-runs"),
                               ("retry_margin", "the step it does again"),

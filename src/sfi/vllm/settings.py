@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sfi.core.config import SFIConfig, parse_overrides
+from sfi.core.config import REDO_FIELDS, SFIConfig, parse_overrides
 from sfi.errors import SFIConfigError
 
 if TYPE_CHECKING:
@@ -14,8 +14,6 @@ if TYPE_CHECKING:
 ENV = "SFI_VLLM"
 DEFAULT_SLOTS = 8  # fast memories held at once (each S + K + R + reuse entries per layer)
 EXACT_FIELDS = ("draft_tokens", "draft_min", "draft_max", "draft_fallback")  # sfi.decoding.exact's
-#: fields whose behaviour is the transformers path's alone: a step, or positions, run again
-REDO_FIELDS = ("coverage_retry", "retry_margin", "stop_margin", "repair_tokens")
 
 
 def parse_config(spec: str) -> SFIConfig:
