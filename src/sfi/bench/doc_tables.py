@@ -88,26 +88,6 @@ def weight_format_steps(data: dict[str, Any]) -> str:
                    "byte floor ms", "x dense, same weights", "x native, same mode"], rows)
 
 
-def versus_llama_cpp(data: dict[str, Any]) -> str:
-    """``sfi bench --weights ... --gguf ... --json``: decode tokens/s of each of sfi's rows and
-    its ratio to llama.cpp's (the first llama.cpp row of the same context and batch)."""
-    peer = {}
-    for r in data["rows"]:
-        if r["mode"].startswith("llama.cpp"):
-            peer.setdefault((r["context"], r["batch"]), r)
-    rows = []
-    for r in data["rows"]:
-        other = peer.get((r["context"], r["batch"]))
-        if r["mode"].startswith("llama.cpp") or other is None:
-            continue
-        rows.append([f"{r['context']:,}", r["weights"], f"`{r['mode']}`",
-                     f"{r['decode_tok_s']:.2f}", f"{other['decode_tok_s']:.2f}",
-                     f"{r['decode_tok_s'] / other['decode_tok_s']:.2f}x"])
-    name = next(iter(peer.values()))["mode"] if peer else "llama.cpp"
-    return _table(["context", "sfi weights", "sfi mode", "sfi tokens/s", f"{name} tokens/s",
-                   "sfi x llama.cpp"], rows)
-
-
 def sfi_against_peers(data: dict[str, Any]) -> str:
     """``sfi bench --modes full-static,sfi,sfi-fast-only --gguf ... --json``, one line per
     context and weight format of sfi's rows: the decode tokens/s of the dense step
@@ -403,7 +383,7 @@ def vllm_engines(data: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "weight-products": weight_products, "weight-format-steps": weight_format_steps,
     "weight-fidelity": weight_fidelity,
-    "versus-llama-cpp": versus_llama_cpp, "sfi-against-peers": sfi_against_peers,
+    "sfi-against-peers": sfi_against_peers,
     "eval-scores": eval_scores, "eval-averages": eval_averages, "eval-items": eval_items,
     "eval-fidelity": eval_fidelity, "eval-samples": eval_samples,
     "kv-drift": kv_drift, "exact-identity": exact_identity, "exact-steps": exact_steps,
