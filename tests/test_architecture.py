@@ -82,8 +82,10 @@ def part(module: str) -> str:
 TOP = {"sfi.errors", "sfi.notices", "sfi.cache_folder", "sfi.texts", "sfi.runtime"}
 ALLOWED_PARTS = {
     "core": {"core"},
-    "vllm": {"core", "vllm"},
-    "hf": {"core", "hf", "weights"},
+    # the step's orchestration both engines share: over the core, no engine
+    "step": {"core", "step"},
+    "vllm": {"core", "step", "vllm"},
+    "hf": {"core", "step", "hf", "weights"},
     "decoding": {"core", "hf", "decoding"},
     # the formats and their products; weights.choice runs the fidelity check (sfi.eval)
     "weights": {"core", "weights", "eval", "hf", "decoding"},
@@ -109,10 +111,11 @@ def test_the_weight_formats_import_no_engine():
                         {"hf", "decoding", "eval", "vllm"}}, module
 
 
-def test_the_core_is_plain_policy_and_tensor_functions():
-    """No transformers, no vLLM, no ``nn.Module`` in the core (``torch.nn.functional`` is
-    allowed): both engines call it."""
-    for path in (SRC / "sfi" / "core").rglob("*.py"):
+@pytest.mark.parametrize("name", ["core", "step"])
+def test_the_core_is_plain_policy_and_tensor_functions(name):
+    """No transformers, no vLLM, no ``nn.Module`` in the core or the step's shared
+    orchestration (``torch.nn.functional`` is allowed): both engines call them."""
+    for path in (SRC / "sfi" / name).rglob("*.py"):
         text = path.read_text(encoding="utf-8").replace("torch.nn.functional", "")
         assert not third_party_imports(path) & {"transformers", "vllm"}, path.name
         assert "torch.nn" not in text and "nn.Module" not in text, path.name
@@ -124,7 +127,8 @@ LOOP = {"sfi.decoding.decode", "sfi.decoding.prefill", "sfi.decoding.decode_step
 STORAGE_MUST_NOT_SEE = {"sfi.hf.planner", "sfi.hf.layer_attention", "sfi.hf.attention",
                         "sfi.hf.context", "sfi.core.overlap", "sfi.core.sequence_policy",
                         "sfi.core.refresh_selection", "sfi.core.selector", "sfi.core.coverage",
-                        "sfi.core.triggers", "sfi.hf.slowfast_cache", "sfi.hf.methods", *LOOP}
+                        "sfi.core.triggers", "sfi.hf.slowfast_cache", "sfi.hf.methods",
+                        "sfi.step.probes", *LOOP}
 
 
 @pytest.mark.parametrize("module, forbidden", [

@@ -476,7 +476,7 @@ def reader(keys: torch.Tensor):
 def test_a_memory_missing_a_heavy_page_is_flagged():
     from sfi.core.coverage import page_scores, probe_layers, unheld_pages
     from sfi.core.pages import page_bounds, page_boxes
-    from sfi.hf.coverage_checks import CoverageChecks
+    from sfi.step.probes import ProbeCheck, ProbedMemories, ProbeEvidence, ProbeRule, flagged_rows
 
     g = torch.Generator().manual_seed(9)
     n, h, gq, d, page, pages = 2, 2, 3, 8, 4, 10
@@ -504,14 +504,16 @@ def test_a_memory_missing_a_heavy_page_is_flagged():
     quiet_lse = lse + 50  # nothing: its memory outweighs any page
 
     def flagged(threshold: float, layers: int) -> set[int]:
-        checks = CoverageChecks()
+        checks = ProbeCheck()
+        rows = ProbedMemories((0, 1), held, hi, keys.shape[-2])
+        rule = ProbeRule(page=page, top=2, threshold=threshold)
         for layer in range(layers):  # the heavy page is seen by the last layer only
             last = layer == layers - 1
-            checks.add((0, 1), query, scores if last else quiet,
-                       reader(keys), lse if last else quiet_lse, length=keys.shape[-2],
-                       page=page, top=2, threshold=threshold, scale=scale, softcap=None)
-        missing, copying = checks.missing()
-        assert checks.missing() == (set(), set()) and copying == set()  # checked once
+            checks.add(rule, rows, ProbeEvidence(query, scores if last else quiet,
+                                                 (reader(keys),), lse if last else quiet_lse,
+                                                 scale=scale))
+        missing, copying = flagged_rows(checks.check())
+        assert checks.check() == [] and copying == set()  # checked once
         return missing
 
     assert flagged(0.3, layers=1) == {1}
@@ -617,16 +619,19 @@ def test_copy_flags_are_kept_apart_and_never_redo_a_step():
     """The rows :func:`copy_runs_out` flags come back apart from the pages' misses, and with
     ``coverage_retry`` a copy flag refreshes the next step, as without it: the step it was
     raised in was served (its source is held), so it is not done again."""
-    from sfi.hf.coverage_checks import CoverageChecks
+    from sfi.step.probes import ProbeCheck, ProbedMemories, ProbeEvidence, ProbeRule, flagged_rows
 
-    checks = CoverageChecks()
+    checks = ProbeCheck()
     h, g, d, t, page = 1, 1, 4, 32, 4
     scores = torch.full((2, h, t // page), float("-inf"))  # no page to read
-    checks.add((0, 1), torch.zeros(2, h, g, d), scores,
-               reader(torch.zeros(2, h, t, d)), torch.zeros(2, h, g), length=t, page=page,
-               top=1, threshold=0.5, scale=1.0, softcap=None,
-               copying=torch.tensor([False, True]))
-    assert checks.missing() == (set(), {1})
+    memory = torch.tensor([[[0, 10, 20]], [[0, 10, 20]]])  # row 1 copies from 10; 11 unheld
+    logits = torch.tensor([[[[0.0, 0.0, 0.0]]], [[[0.0, 9.0, 0.0]]]])
+    checks.add(ProbeRule(page=page, top=1, threshold=0.5, copy_share=0.5),
+               ProbedMemories((0, 1), torch.tensor([[False, True, True]] * 2),
+                              torch.tensor([t, t]), t),
+               ProbeEvidence(torch.zeros(2, h, g, d), scores, (reader(torch.zeros(2, h, t, d)),),
+                             torch.logsumexp(logits, -1), logits, memory))
+    assert flagged_rows(checks.check()) == (set(), {1})
     model = tiny_model("qwen2")
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(6))
     copy = dict(sink=2, recent=4, k_head=8, force_sparse=True, trigger="bootstrap", page_size=4,
@@ -804,7 +809,7 @@ def test_the_unheld_pages_kept_between_refreshes_are_those_of_each_step(monkeypa
     def checking(self, probe, memory, shift, pages):
         outside = kept(self, probe, memory, shift, pages)
         t = probe.target
-        fresh = unheld_pages(memory, t.held, t.lo, t.hi, pages=pages, page=probe.page,
+        fresh = unheld_pages(memory, t.held, t.lo, t.hi, pages=pages, page=probe.rule.page,
                              shift=shift)
         assert torch.equal(outside, fresh)
         checked.append(int(fresh.sum()))

@@ -14,7 +14,7 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfi.hf.coverage_checks import CoverageChecks
+from sfi.step.probes import ProbeCheck
 
 
 @dataclass
@@ -40,7 +40,7 @@ class StepContext:
     plan: Any = None
     rebuilder: Any = None
     lagged: dict[int, int] = field(default_factory=dict)
-    coverage: CoverageChecks = field(default_factory=CoverageChecks)
+    coverage: ProbeCheck = field(default_factory=ProbeCheck)
     missed: set[int] = field(default_factory=set)
 
     def layer(self, layer_idx: int) -> Any:

@@ -24,13 +24,7 @@ from typing import Any
 
 import torch
 
-from sfi.core.coverage import (
-    batch_reader,
-    copy_runs_out,
-    page_scores,
-    unheld_pages,
-    with_next_pages,
-)
+from sfi.core.coverage import batch_reader, page_scores, unheld_pages
 from sfi.core.kernels import block_attention, dense_attention, fast_attention, window_logits
 from sfi.core.overlap import Refresh, StagedCompact
 from sfi.core.refresh_selection import HeldSelection, reads_keys, selection_inputs
@@ -39,6 +33,7 @@ from sfi.hf.attention import AttendingLayer
 from sfi.hf.context import StepContext
 from sfi.hf.plan import BLOCK_PHASES, Probe, SlowRows, StepPlan
 from sfi.hf.slab import SlabLayer
+from sfi.step.probes import ProbeEvidence
 
 
 class SlowFastAttention(AttendingLayer):
@@ -169,7 +164,7 @@ class SlowFastAttention(AttendingLayer):
             probes = plan.probes_at(self.layer_idx)
             lse: list[torch.Tensor] | None = [] if probes else None
             logits: list[torch.Tensor] | None = (
-                [] if any(p.next_page or p.copy_share for p in probes) else None)
+                [] if any(p.rule.reads_memory_logits for p in probes) else None)
             store = self.store
             o = fast_attention(rows.take(q),
                                rows.take(store.compact_keys[:, :, :width]),
@@ -197,35 +192,22 @@ class SlowFastAttention(AttendingLayer):
                         softcap: float | None, fast_logits: torch.Tensor | None) -> None:
         """Score the pages outside the probe's rows' fast memories for ``step.coverage``, which
         checks every probe layer of the step together when it ends and flags the rows whose
-        memory misses attention mass (``sfi.core.coverage``): they refresh at their next step.
-        ``fast_lse [n_fast, H, G]``: the fast rows' memory log-sum-exp; ``fast_logits
-        [n_fast, H, G, C]``: their logits over the compact buffer (for ``probe.next_page`` and
-        ``probe.copy_share``)."""
-        target = probe.target
+        memory misses attention mass (:class:`sfi.step.probes.ProbeCheck`): they refresh at
+        their next step. ``fast_lse [n_fast, H, G]``: the fast rows' memory log-sum-exp;
+        ``fast_logits [n_fast, H, G, C]``: their logits over the compact buffer (for
+        ``coverage_next`` and ``coverage_copy``)."""
+        target, rule = probe.target, probe.rule
         rows = target.rows
-        boxes = self.store.page_boxes(probe.page, probe.shift, probe.aligned, target.reach)
+        boxes = self.store.page_boxes(rule.page, probe.shift, probe.aligned, target.reach)
         memory = rows.take(self.store.compact_positions[:, :, : plan.compact_width])
-        shift = rows.take(probe.shift) if probe.shift is not None else None
         query = rows.take(q)
-        outside = self._unheld_pages(probe, memory, shift, boxes.shape[2])
-        scores = page_scores(query, rows.take(boxes), outside)
-        lse = fast_lse.index_select(0, target.fast_index)
-        memory_logits = (fast_logits.index_select(0, target.fast_index)
-                         if fast_logits is not None else None)
-        raised = copying = None
-        if probe.next_page:
-            scores, raised = with_next_pages(scores, memory_logits, memory, target.held,
-                                             page=probe.page, shift=shift)
-        if probe.copy_share:
-            copying = copy_runs_out(memory_logits, lse, memory, target.held, target.hi,
-                                    share=probe.copy_share)
-        keys = self.store.keys  # [B, H, T, D]
-        step.coverage.add(
-            rows.indices, query, scores, batch_reader(keys, rows.index), lse,
-            length=keys.shape[-2],
-            page=probe.page, top=probe.top, threshold=probe.threshold, scale=scale,
-            softcap=softcap, shift=shift, aligned=probe.aligned, raised=raised,
-            copying=copying, heads=probe.heads)
+        outside = self._unheld_pages(probe, memory, target.memories.shift, boxes.shape[2])
+        step.coverage.add(rule, target.memories, ProbeEvidence(
+            query, page_scores(query, rows.take(boxes), outside),
+            (batch_reader(self.store.keys, rows.index),),
+            fast_lse.index_select(0, target.fast_index),
+            fast_logits.index_select(0, target.fast_index) if fast_logits is not None
+            else None, memory, scale, softcap))
 
     def _unheld_pages(self, probe: Probe, memory: torch.Tensor, shift: torch.Tensor | None,
                       pages: int) -> torch.Tensor:
@@ -233,10 +215,11 @@ class SlowFastAttention(AttendingLayer):
         one step to the next: it changes only when a memory does (a refresh, a join or a
         leave, which drop it); pages appended since lie past the middle region."""
         target = probe.target
-        key = (probe.page, target.rows.indices, memory.shape[-1], probe.aligned)
+        page = probe.rule.page
+        key = (page, target.rows.indices, memory.shape[-1], probe.aligned)
         if self._unheld is None or self._unheld[0] != key:
             outside = unheld_pages(memory, target.held, target.lo, target.hi, pages=pages,
-                                   page=probe.page, shift=shift)
+                                   page=page, shift=shift)
             self._unheld = (key, outside)
         outside = self._unheld[1]
         if outside.shape[-1] < pages:

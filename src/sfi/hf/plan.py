@@ -20,6 +20,7 @@ from sfi.core.refresh_selection import SelectionGroup
 from sfi.core.rows import Rows
 from sfi.core.sequence_policy import DENSE, SLOW, Memory
 from sfi.core.triggers import COVERAGE
+from sfi.step.probes import ProbedMemories, ProbeRule
 
 
 @dataclass(frozen=True)
@@ -85,39 +86,42 @@ class ProbedRows:
     Attributes:
         rows: which sequences.
         fast_index: ``[n]`` their places among the step's fast rows.
-        lo, hi: ``[n]`` their middle regions [lo, hi); ``reach``: the largest ``hi``.
-        held: ``[n, C]`` bool, the compact slots that hold a selected position.
+        lo: ``[n]`` where their middle regions [lo, hi) start; ``reach``: the largest ``hi``.
+        memories: what the step's check (:class:`sfi.step.probes.ProbeCheck`) knows of them
+            (their batch rows, the compact slots holding a selected position ``held [n, C]``,
+            ``hi [n]``, where their keys end and where their pages start), one object for every
+            probe layer of the group.
     """
 
     rows: Rows
     fast_index: torch.Tensor
     lo: torch.Tensor
-    hi: torch.Tensor
-    held: torch.Tensor
     reach: int
+    memories: ProbedMemories
+
+    @property
+    def held(self) -> torch.Tensor:
+        return self.memories.held
+
+    @property
+    def hi(self) -> torch.Tensor:
+        return self.memories.hi
 
 
 @dataclass(frozen=True)
 class Probe:
-    """A coverage probe of one layer: the rows it checks, the page size of its summaries, how
-    many of the best pages outside the memory it reads, and the attention share above which a
-    row refreshes (``sfi.core.coverage``). ``shift [B]``: where every row's pages start
-    (``sfi.core.pages.page_shift``; None: at position 0); ``aligned`` the same as Python ints, a key
-    for what the layers keep between steps; ``next_page``: also read the page after the most
-    attended selected position (``coverage_next``); ``copy_share``: flag a copy about to run
-    past what the memory holds (``coverage_copy``, 0: off); ``heads``: how a KV head's query
-    heads judge (``coverage_heads``)."""
+    """A coverage probe of one layer: the rows it checks and how (``rule``: the page size of its
+    summaries, how many of the best pages outside the memory it reads, the attention share
+    above which a row refreshes, ``coverage_next``, ``coverage_copy``, ``coverage_heads``;
+    ``sfi.core.coverage``). ``shift [B]``: where every row's pages start
+    (``sfi.core.pages.page_shift``; None: at position 0); ``aligned`` the same as Python ints, a
+    key for what the layers keep between steps."""
 
     layer: int
-    page: int
-    top: int
-    threshold: float
+    rule: ProbeRule
     target: ProbedRows
     shift: torch.Tensor | None = None
     aligned: tuple[int, ...] | None = None
-    next_page: bool = False
-    copy_share: float = 0.0
-    heads: str = "mean"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from sfi.core.config import SFIConfig
 from sfi.core.coverage import probe_layers
 from sfi.core.kernels import additive_bias, evidence_bias
 from sfi.core.memory_tensors import MemoryTensors
-from sfi.core.pages import page_shifts, probe_page
+from sfi.core.pages import page_shifts
 from sfi.core.refresh_selection import SelectionGroup, SelectionRule
 from sfi.core.rows import Rows
 from sfi.core.scorers import Scorer
@@ -63,6 +63,7 @@ from sfi.hf.plan import (
 )
 from sfi.hf.visibility import block_bias, dense_bias, visible_slots
 from sfi.notices import notice_once
+from sfi.step.probes import ProbedMemories, ProbeRule
 
 TriggerFactory = Callable[[SFIConfig, int], RefreshTrigger]
 ScorerFactory = Callable[[SFIConfig], Scorer]
@@ -141,7 +142,7 @@ class Planner:
                         if reads_densely else None,
                         compact_width=width,
                         dense_layers=tuple(s.config.dense_layers for s in self.sequences),
-                        probes=self._probes(fast_rows, width, device)
+                        probes=self._probes(fast_rows, width, total, device)
                         if phase is None and redo is None else (),
                         phase=phase,
                         block_bias=block_bias(self.sequences, total, query_length, device)
@@ -167,36 +168,33 @@ class Planner:
         kind = SLOW if sparse_pays(seq, total) and select else DENSE
         return kind, (BOOTSTRAP if kind == SLOW else None)
 
-    def _probes(self, fast_rows: list[int], width: int, device: torch.device
+    def _probes(self, fast_rows: list[int], width: int, total: int, device: torch.device
                 ) -> tuple[Probe, ...]:
         """Which fast rows each probe layer checks, and how."""
-        groups: dict[tuple[int, int, float, bool, float, str, int, int], list[int]] = {}
+        groups: dict[tuple[ProbeRule, int, int], list[int]] = {}
         for row in fast_rows:
             c = self.sequences[row].config
             # a row already flagged refreshes as soon as its gap allows: probing it again
             # cannot change that
             if c.coverage_layers and not self.sequences[row].coverage_miss:
-                page = probe_page(c)
-                groups.setdefault((page, c.coverage_top, c.coverage_threshold, c.coverage_next,
-                                   c.coverage_copy, c.coverage_heads, c.coverage_layers,
-                                   c.dense_layers),
+                groups.setdefault((ProbeRule.of(c), c.coverage_layers, c.dense_layers),
                                   []).append(row)
         probes = []
         pads = [seq.pad for seq in self.sequences]
-        for (page, top, threshold, next_page, copy_share, heads, layers, dense), rows in \
-                groups.items():
-            aligned = page_shifts(pads, page)
+        for (rule, layers, dense), rows in groups.items():
+            aligned = page_shifts(pads, rule.page)
             shift = torch.tensor(aligned, device=device) if aligned else None
             memories = [self.sequences[r].memory for r in rows]
             geometry = MemoryTensors.of(memories, device)
             target = ProbedRows(
                 self._rows(rows, device),
                 torch.tensor([fast_rows.index(r) for r in rows], device=device),
-                geometry.lo, geometry.hi, geometry.selected_slots(width, geometry.sink),
-                max(m.recent_start for m in memories))
+                geometry.lo, max(m.recent_start for m in memories),
+                ProbedMemories(tuple(rows), geometry.selected_slots(width, geometry.sink),
+                               geometry.hi, total,
+                               shift[rows] if shift is not None else None))
             for layer in probe_layers(layers, self.layer_ids, dense):  # none the rows read densely
-                probes.append(Probe(layer, page, top, threshold, target, shift, aligned,
-                                    next_page, copy_share, heads))
+                probes.append(Probe(layer, rule, target, shift, aligned))
         return tuple(probes)
 
     def _rows(self, indices: list[int], device: torch.device) -> Rows:

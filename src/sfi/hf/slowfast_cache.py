@@ -37,6 +37,7 @@ from sfi.hf.plan import Redo, StepPlan
 from sfi.hf.planner import Planner, TriggerFactory
 from sfi.hf.routing import RoutingLease
 from sfi.hf.slab import SlabLayer
+from sfi.step.probes import flagged_rows
 from sfi.weights.layout import stored_weight_positions
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -170,7 +171,7 @@ class SlowFastCache(WritesInAttention, Cache):
         self.rebuilder.flush()  # the forward's refreshes, stacked over its layers
         for attention in self._attending():
             attention.settle()  # commit what is ready (inside the forward's inference mode)
-        missed, copying = step.coverage.missing()
+        missed, copying = flagged_rows(step.coverage.check())
         step.missed.update(missed)
         flagged, reasons = (self.planner.redo_rows(plan, step.missed, logits)
                             if plan.redo is None else (frozenset(), {}))

@@ -2,15 +2,14 @@
 
 A probe layer only keeps what its check needs while the step runs (:class:`ProbeLayer`: its fast
 rows' queries, where its buffer and cache keep their keys, each row's page boxes and selection);
-after the step's last layer :func:`check_probes` checks every probe layer at once: the memories'
-log-sum-exp from the slots, the pages' bounds (with ``coverage_next``, the page after each KV
-head's most attended selected position ranked first), the copy flags (``coverage_copy``) and the
-verdict (:func:`sfi.core.coverage.missing_rows`, the transformers path's, with a reader of each
-layer's paged cache). The stock kernel gives no log-sum-exp, so the memories' logits are
-computed again from the slots. Done for all probe layers together, most of the small tensor
-operations run once per step instead of once per probe layer (on CPU their fixed costs outweigh
-their arithmetic); each layer's slot-key gather, product and best pages' read stay its own. The
-flags stay where the model runs: the next step's plan reads them in its one transfer.
+after the step's last layer :func:`check_probes` hands what they saw to the check both engines
+share (:class:`sfi.step.probes.ProbeCheck`: the next pages, the copy flags and the verdict),
+with what only this engine knows: the memories' logits and log-sum-exp, computed again from
+the slots (the stock kernel gives neither), the pages' bounds from each request's boxes, and a
+reader of each layer's paged cache. Done for all probe layers together, most of the small
+tensor operations run once per step instead of once per probe layer; each layer's slot-key
+gather, product and best pages' read stay its own. The flags stay where the model runs: the
+next step's plan reads them in its one transfer.
 
 Shapes: L probe layers, n fast rows, H KV heads, G query heads per KV head, D head size,
 P pages, S slot entries.
@@ -24,16 +23,10 @@ from typing import Any
 
 import torch
 
-from sfi.core.coverage import (
-    KeyReader,
-    copy_runs_out,
-    missing_rows,
-    page_scores,
-    with_next_pages,
-)
+from sfi.core.coverage import KeyReader, page_scores
 from sfi.core.kernels import attention_logits
 from sfi.core.memory_tensors import MemoryTensors
-from sfi.core.pages import probe_page
+from sfi.step.probes import ProbeCheck, ProbedMemories, ProbeEvidence, ProbeRule
 from sfi.vllm.paged import KeyLayout, read_blocks, read_positions
 
 
@@ -66,54 +59,56 @@ def check_probes(layers: Sequence[ProbeLayer], md: Any) -> torch.Tensor:
     """``[n_fast]`` bool: the fast rows of ``md``'s step (an
     :class:`~sfi.vllm.metadata.SFIMetadata`) whose memory misses pages the query bounds highly
     at some of the probe ``layers``, or (``coverage_copy``) whose copy is about to run past
-    what it holds; the layers checked together where their scale, cap and shapes agree, in
-    groups otherwise."""
+    what it holds (:class:`sfi.step.probes.ProbeCheck`, the transformers path's check); the
+    layers checked together where their scale, cap and shapes agree, in groups otherwise."""
+    plans = md.step.fast_plans
+    device = layers[0].query.device
+    width = max(p.memory.sink_count + p.memory.k for p in plans)
+    geometry = MemoryTensors.of([p.memory for p in plans], device)
+    memories = ProbedMemories(tuple(range(len(plans))),
+                              geometry.selected_slots(width, geometry.sink_count), geometry.hi,
+                              torch.tensor([p.total for p in plans], device=device))
+    rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
+    blocks = md.block_table.index_select(0, rows)
     groups: dict[tuple[Any, ...], list[ProbeLayer]] = {}
     for layer in layers:
         key = (layer.scale, layer.softcap, tuple(layer.query.shape),
                tuple(layer.memory_keys.shape[1:]))
         groups.setdefault(key, []).append(layer)
-    flagged = torch.zeros(len(md.step.fast_plans), dtype=torch.bool,
-                          device=layers[0].query.device)
-    for (scale, softcap, *_), group in groups.items():
-        flagged |= _check(group, md, scale, softcap)
+    rule = ProbeRule.of(md.book.config)
+    checks = ProbeCheck()
+    for group in groups.values():
+        checks.add(rule, memories, _evidence(group, md, blocks, width, rule))
+    flagged = torch.zeros(len(plans), dtype=torch.bool, device=device)
+    for verdict in checks.check():
+        flagged |= verdict.missed | verdict.copying
     return flagged
 
 
-def _check(layers: Sequence[ProbeLayer], md: Any, scale: float,
-           softcap: float | None) -> torch.Tensor:
-    """``[n]`` bool: the fast rows flagged at some of ``layers``."""
-    c = md.book.config
+def _evidence(layers: Sequence[ProbeLayer], md: Any, blocks: torch.Tensor, width: int,
+              rule: ProbeRule) -> ProbeEvidence:
+    """What the probe ``layers`` (of one scale, cap and shape) saw of the step's fast rows
+    (their ``blocks`` of vLLM's cache): the memories' logits read again from the slots (the
+    stock kernel gives none), their log-sum-exp over each slot's written entries, the page
+    scores, and where ``rule`` reads them, the logits over the first ``width`` slots (sinks,
+    then the selected) and their positions."""
     plans = md.step.fast_plans
     nl, n = len(layers), len(plans)
     q = torch.cat([layer.query for layer in layers])  # [L n, H, G, D]
     logits = torch.cat([  # [L n, H, G, S] (a layer's slot keys, [n, H, S, D], read once)
         attention_logits(layer.query, read_blocks(layer.memory_keys, md.step.fast_blocks,
-                                                  layer.layout), scale, softcap)
+                                                  layer.layout), layer.scale, layer.softcap)
         for layer in layers])
     device = q.device
     lengths = torch.tensor([p.length for p in plans], device=device).repeat(nl)
     unwritten = torch.arange(logits.shape[-1], device=device) >= lengths[:, None]
     lse = torch.logsumexp(logits.masked_fill(unwritten[:, None, None], float("-inf")), -1)
-    scores = _scores(layers, q.view(nl, n, *q.shape[1:]))  # [L n, H, P]
-    raised = None
-    if c.coverage_next or c.coverage_copy:
-        selected, held, hi = _selected_slots(layers, plans, device)
-        width = selected.shape[-1]
-    if c.coverage_next:  # the page after the most attended selected position, read first
-        scores, raised = with_next_pages(scores, logits[..., :width], selected, held,
-                                         page=probe_page(c))
-    rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
-    blocks = md.block_table.index_select(0, rows)
-    found = missing_rows(q, scores, [_reader(layer, blocks) for layer in layers], lse,
-                         page=probe_page(c), top=c.coverage_top,
-                         threshold=c.coverage_threshold, scale=scale, softcap=softcap,
-                         length=torch.tensor([p.total for p in plans], device=device),
-                         raised=raised, heads=c.coverage_heads)
-    if c.coverage_copy:  # flagged whatever the pages say
-        found = found | copy_runs_out(logits[..., :width], lse, selected, held, hi,
-                                      share=c.coverage_copy).view(nl, n).any(dim=0)
-    return found
+    reads = rule.reads_memory_logits
+    return ProbeEvidence(q, _scores(layers, q.view(nl, n, *q.shape[1:])),
+                         tuple(_reader(layer, blocks) for layer in layers), lse,
+                         logits[..., :width] if reads else None,
+                         _selected_positions(layers, plans, width) if reads else None,
+                         layers[0].scale, layers[0].softcap)
 
 
 def _reader(layer: ProbeLayer, blocks: torch.Tensor) -> KeyReader:
@@ -145,23 +140,19 @@ def _pad_pages(t: torch.Tensor, count: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(*t.shape[:2], missing, *t.shape[3:])], dim=2)
 
 
-def _selected_slots(layers: Sequence[ProbeLayer], plans: Sequence[Any], device: torch.device
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fast rows' selected slots at each of ``layers``, as the copy and next-page rules of
-    :mod:`sfi.core.coverage` read them: ``positions [L n, H, W]`` (the slots up to the last
-    selected one, W = the most sinks + k of any row: sinks, then the selected positions; only
-    the selected are written, -1 elsewhere, as only they are read), ``held [L n, W]`` (the
-    slots holding a selected position) and ``hi [L n]`` (where each row's recent window
-    starts)."""
-    memories = [p.memory for p in plans]
-    width = max(m.sink_count + m.k for m in memories)
+def _selected_positions(layers: Sequence[ProbeLayer], plans: Sequence[Any], width: int
+                        ) -> torch.Tensor:
+    """``[L n, H, width]`` the positions of the fast rows' first ``width`` slots at each of
+    ``layers``, as the copy and next-page rules of :mod:`sfi.core.coverage` read them (sinks,
+    then the selected positions; only the selected are written, -1 elsewhere, as only they are
+    read)."""
     nl, n = len(layers), len(plans)
     h = layers[0].query.shape[1]
-    positions = torch.full((nl, n, h, width), -1, dtype=torch.long, device=device)
+    positions = torch.full((nl, n, h, width), -1, dtype=torch.long,
+                           device=layers[0].query.device)
     for j, layer in enumerate(layers):
-        for row, memory in enumerate(memories):
+        for row, plan in enumerate(plans):
+            memory = plan.memory
             positions[j, row, :, memory.sink_count: memory.sink_count + memory.k] = \
                 layer.selected[row]
-    geometry = MemoryTensors.of(memories, device)
-    held = geometry.selected_slots(width, geometry.sink_count).repeat(nl, 1)
-    return positions.view(nl * n, h, width), held, geometry.hi.repeat(nl)
+    return positions.view(nl * n, h, width)
