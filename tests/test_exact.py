@@ -391,7 +391,14 @@ def _sparse_law(model, prompt, v, config, temperature):
 
 
 def test_committed_inputs_walk_the_trigger_and_a_rejected_first_draft_refreshes():
-    from sfi.core.sequence_policy import ACCEPTANCE, Memory, SequenceState, record_verified
+    from sfi.core.sequence_policy import (
+        ACCEPTANCE,
+        SLOW,
+        Memory,
+        SequenceState,
+        record_step,
+        record_verified,
+    )
     from sfi.core.triggers import FixedPeriodTrigger
 
     seq = SequenceState(pad=0, config=SFIConfig(min_refresh_gap=2),
@@ -401,7 +408,8 @@ def test_committed_inputs_walk_the_trigger_and_a_rejected_first_draft_refreshes(
     assert seq.steps_since_refresh == 2 and seq.refresh_due is None
     record_verified(seq, [3, 4, 5], refreshed=False, accepted=2)  # the 4th step fires
     assert seq.refresh_due == "period" and seq.steps_since_refresh == 5
-    seq.steps_since_refresh, seq.refresh_due = 0, ACCEPTANCE  # a verify refreshed (commit)
+    seq.refresh_due = ACCEPTANCE  # a verify refreshed for it (the plan's commit counts it)
+    record_step(seq, SLOW, decode=False, memory=seq.memory, reason=ACCEPTANCE)
     record_verified(seq, [6, 7, 8], refreshed=True, accepted=2)
     assert seq.refresh_due is None and seq.steps_since_refresh == 2
     assert seq.stats.refresh_reasons[ACCEPTANCE] == 1

@@ -296,7 +296,7 @@ def test_retry_margin_does_an_uncertain_fast_step_again_densely():
     assert every.cache.get_seq_length() == every.reference.get_seq_length() == 90
     for step, (a, b) in enumerate(zip(every.sfi_logits, every.full_logits)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=f"step {step}")
-    margins = [float(top_margin(logits)[0]) for logits in plain.sfi_logits]
+    margins = [float(top_margin(logits)[0][0]) for logits in plain.sfi_logits]
     first, second = sorted(range(1, 11), key=lambda i: margins[i])[:2]
     some = _margin_run((margins[first] + margins[second]) / 2)
     assert [k[0] for k in some.kinds][:first] == kinds[:first]
@@ -405,8 +405,10 @@ def test_top_margin():
     from sfi.hf.planner import top_margin
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
-    torch.testing.assert_close(top_margin(logits), torch.tensor([0.2, 0.7]))
-    assert top_margin(torch.zeros(2, 1)).tolist() == [1.0, 1.0]
+    margins, tops = top_margin(logits)
+    torch.testing.assert_close(margins, torch.tensor([0.2, 0.7]))
+    assert tops.tolist() == [0, 2]
+    assert [t.tolist() for t in top_margin(torch.zeros(2, 1))] == [[1.0, 1.0], [0, 0]]
 
 
 def test_a_flag_outlives_another_rows_redo(monkeypatch):

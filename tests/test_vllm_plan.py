@@ -522,6 +522,23 @@ def test_the_plugin_takes_every_option_but_those_that_run_a_step_again():
             parse_settings(f"{name}={value}")
 
 
+def test_configure_refuses_exact_modes_drafts_changed_from_their_defaults():
+    """``sfi.vllm.configure`` (a configuration built in Python) refuses exact mode's drafts
+    where they differ from the defaults, which every ``SFIConfig`` carries, and the options
+    that run a step again, as ``SFI_VLLM`` does."""
+    from sfi.vllm.settings import active_config, configure
+
+    try:
+        for changed in (dict(draft_tokens=6), dict(draft_fallback=False),
+                        dict(retry_margin=0.1)):
+            with pytest.raises(SFIConfigError, match=next(iter(changed))):
+                configure(SFIConfig(**changed))
+        configure(SFIConfig(k_head=512))
+        assert active_config() == SFIConfig(k_head=512)
+    finally:
+        configure(None)
+
+
 def test_sfi_vllm_is_parsed_strictly():
     config = parse_config("k_head=512, trigger=fixed, period=16")
     assert (config.k_head, config.period, config.trigger) == (512, 16, "fixed")

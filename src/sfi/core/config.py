@@ -109,7 +109,8 @@ class SFIConfig:
     context is shorter than S + K + R)."""
     overlap_selection: bool = True
     """On CUDA, run the Selector and the compact rebuild on a side stream; a row whose rebuild
-    is not ready reads densely. No effect on CPU."""
+    is not ready reads densely. No effect on CPU, nor in the vLLM plugin (both select every
+    layer's refreshes together after the step's last layer)."""
 
     # --- slow-step triggers ---
     trigger: TriggerPolicy = "sentence"

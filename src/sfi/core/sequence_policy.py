@@ -16,7 +16,7 @@ from sfi.core.config import SFIConfig
 from sfi.core.cost_model import dense_reason, probe_reads
 from sfi.core.decode_stats import DecodeStats
 from sfi.core.scorers import Scorer
-from sfi.core.triggers import BOOTSTRAP, COVERAGE, REFRESH_REASONS, RefreshTrigger
+from sfi.core.triggers import BOOTSTRAP, COVERAGE, RefreshTrigger
 from sfi.notices import notice_once
 
 ACCEPTANCE = "acceptance"  # exact mode: full attention rejected a round's first draft
@@ -180,8 +180,8 @@ def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | Non
 
     A decode step advances the trigger on its input ``token`` (None: not observed) and counts
     as ``kind``; a slow step (or a first selection, ``decode=False``) installs ``memory``,
-    restarts the reuse count, clears a coverage miss and counts its ``reason`` (reasons
-    outside :data:`sfi.core.triggers.REFRESH_REASONS`, an engine's own, are the engine's to count).
+    restarts the reuse count, clears a coverage miss and counts its ``reason`` (an engine's
+    own too: exact mode's ``acceptance``, the vLLM plugin's ``capacity``).
     ``read`` is a fast step's read fraction (:func:`fast_read_fraction`); ``lagged`` says some
     of its layers read densely because their rebuild was not ready; ``repaired``: the
     positions before the step that it re-ran densely (:func:`repair_span`).
@@ -198,8 +198,9 @@ def record_step(seq: SequenceState, kind: str, *, decode: bool, token: int | Non
         seq.memory = memory
         seq.steps_since_refresh = 0
         seq.coverage_miss = False
-        if reason in REFRESH_REASONS:
-            seq.stats.refresh_reasons[reason] += 1
+        if reason is not None:
+            reasons = seq.stats.refresh_reasons
+            reasons[reason] = reasons.get(reason, 0) + 1
     if not decode:
         return
     if kind == DENSE:
@@ -266,9 +267,6 @@ def record_verified(seq: SequenceState, inputs: Iterable[int], refreshed: bool,
         steps = seq.steps_since_refresh + 1
         if refreshed and j == 0:
             seq.trigger.advance(token, steps)
-            if seq.refresh_due == ACCEPTANCE:  # exact mode's own reason (record_step skips it)
-                reasons = seq.stats.refresh_reasons
-                reasons[ACCEPTANCE] = reasons.get(ACCEPTANCE, 0) + 1
             seq.refresh_due = None
             continue  # the refresh step itself: the count restarted at it
         if seq.refresh_due is None and seq.memory is not None:

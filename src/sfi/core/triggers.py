@@ -170,6 +170,18 @@ class BootstrapOnlyTrigger:
         return None
 
 
+def longest_reuse(config: SFIConfig) -> int | None:
+    """The most decode steps a memory of :func:`make_trigger`'s trigger serves before it
+    refreshes (None: no bound, the bootstrap-only trigger)."""
+    if config.trigger == "sentence":
+        return config.refresh_interval
+    if config.trigger == "fixed":
+        return config.period
+    if config.trigger == "random":
+        return config.random_period_max
+    return None
+
+
 def make_trigger(config: SFIConfig, classes: TokenClasses | None, row: int) -> RefreshTrigger:
     """The trigger of one sequence (``row`` seeds the random policy)."""
     if config.trigger == "sentence":

@@ -190,9 +190,8 @@ class Planner:
                 self._rows(rows, device),
                 torch.tensor([fast_rows.index(r) for r in rows], device=device),
                 geometry.lo, max(m.recent_start for m in memories),
-                ProbedMemories(tuple(rows), geometry.selected_slots(width, geometry.sink),
-                               geometry.hi, total,
-                               shift[rows] if shift is not None else None))
+                ProbedMemories.of(rows, geometry, width, geometry.sink, total,
+                                  shift[rows] if shift is not None else None))
             for layer in probe_layers(layers, self.layer_ids, dense):  # none the rows read densely
                 probes.append(Probe(layer, rule, target, shift, aligned))
         return tuple(probes)
@@ -361,7 +360,7 @@ class Planner:
                            "positions, vocabulary] after each step (a causal LM returning "
                            ".logits)")
         last = logits[asks, -1]
-        margins, tops = top_margin(last).tolist(), last.argmax(-1).tolist()
+        margins, tops = (t.tolist() for t in top_margin(last))
         reasons: dict[int, str] = {}
         for row, margin, top in zip(asks, margins, tops):
             config = seqs[row].config
@@ -403,13 +402,15 @@ class Planner:
         return trim
 
 
-def top_margin(logits: torch.Tensor) -> torch.Tensor:
-    """``[n]``: how much more probability the softmax of ``logits [n, V]`` gives its most
-    likely token than the second (1 for a vocabulary of one)."""
+def top_margin(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(margin [n], top [n])``: how much more probability the softmax of ``logits [n, V]``
+    gives its most likely token than the second (1 for a vocabulary of one), and that token,
+    from one pass over the vocabulary."""
     if logits.shape[-1] < 2:
-        return logits.new_ones(logits.shape[0], dtype=torch.float32)
-    top = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values
-    return top[:, 0] - top[:, 1]
+        return (logits.new_ones(logits.shape[0], dtype=torch.float32),
+                torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
+    best = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1)
+    return best.values[:, 0] - best.values[:, 1], best.indices[:, 0]
 
 
 def _selection_groups(seqs: Sequence[SequenceState], device: torch.device

@@ -103,15 +103,15 @@ class SlowFastCache(WritesInAttention, Cache):
         super().__init__(layers=build_layers(model, capacity))
         self._layer_ids = tuple(layer.layer_idx for layer in self._sfi_layers())
         self.attention = attention_of(self.layers)
-        self._stops = frozenset()  # stop_margin's end tokens: the model's end-of-sequence ids
+        stops: frozenset[int] = frozenset()  # stop_margin's: the model's end-of-sequence ids
         if self.config.stop_margin:
             with contextlib.suppress(SFIError):  # no tokenizer: the configs may name the id
                 tokenizer = resolve_tokenizer(model, tokenizer)
-            self._stops = frozenset(eos_token_ids(model, tokenizer))
-            if not self._stops:
+            stops = frozenset(eos_token_ids(model, tokenizer))
+            if not stops:
                 raise SFIError("stop_margin needs the model's end-of-sequence id; its generation "
                                "config, config and tokenizer name none")
-        self.planner = Planner(self._layer_ids, self._stops)
+        self.planner = Planner(self._layer_ids, stops)
         for name, forgets in (("repair_tokens", "the positions it re-runs"),
                               ("retry_margin", "the step it does again"),
                               ("stop_margin", "the step it does again")):
@@ -419,7 +419,7 @@ class SlowFastCache(WritesInAttention, Cache):
     def reset(self) -> None:
         super().reset()
         self.attention = attention_of(self.layers)
-        self.planner = Planner(self._layer_ids, self._stops)
+        self.planner = Planner(self._layer_ids, self.planner.stops)
         self._kinds = ()
         self._redo = None
 

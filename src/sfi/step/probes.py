@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from sfi.core.coverage import KeyReader, copy_runs_out, missing_rows, with_next_pages
+from sfi.core.memory_tensors import MemoryTensors
 from sfi.core.pages import probe_page
 
 
@@ -77,6 +78,14 @@ class ProbedMemories:
     hi: torch.Tensor
     length: int | torch.Tensor
     shift: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, rows: Sequence[int], geometry: MemoryTensors, width: int, first: torch.Tensor,
+           length: int | torch.Tensor, shift: torch.Tensor | None = None) -> ProbedMemories:
+        """The ``rows`` whose memories are ``geometry``, each memory's k selected slots from
+        ``first [n]`` among ``width`` (:meth:`MemoryTensors.selected_slots`)."""
+        return cls(tuple(rows), geometry.selected_slots(width, first), geometry.hi, length,
+                   shift)
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,8 @@ def check_probes(layers: Sequence[ProbeLayer], md: Any) -> torch.Tensor:
     device = layers[0].query.device
     width = max(p.memory.sink_count + p.memory.k for p in plans)
     geometry = MemoryTensors.of([p.memory for p in plans], device)
-    memories = ProbedMemories(tuple(range(len(plans))),
-                              geometry.selected_slots(width, geometry.sink_count), geometry.hi,
-                              torch.tensor([p.total for p in plans], device=device))
+    memories = ProbedMemories.of(range(len(plans)), geometry, width, geometry.sink_count,
+                                 torch.tensor([p.total for p in plans], device=device))
     rows = torch.tensor([p.row for p in plans], device=md.block_table.device)
     blocks = md.block_table.index_select(0, rows)
     groups: dict[tuple[Any, ...], list[ProbeLayer]] = {}

@@ -53,7 +53,7 @@ from sfi.core.sequence_policy import (
     record_step,
     sparse_pays,
 )
-from sfi.core.triggers import BOOTSTRAP, TokenClasses, make_trigger
+from sfi.core.triggers import BOOTSTRAP, TokenClasses, longest_reuse, make_trigger
 from sfi.errors import SFIConfigError
 
 SELECT = "select"  # the first decode step after a prompt: select from it, then read fast
@@ -62,20 +62,12 @@ NO_TOKEN = -1  # shown to a token-free trigger when the input token is not known
 BOOTSTRAP_REUSE = 1024  # new tokens a bootstrap-only memory serves before it must refresh
 
 
-def longest_reuse(config: SFIConfig) -> int:
-    """The most decode steps a memory serves before it refreshes."""
-    if config.trigger == "sentence":
-        return config.refresh_interval
-    if config.trigger == "fixed":
-        return config.period
-    if config.trigger == "random":
-        return config.random_period_max
-    return BOOTSTRAP_REUSE
-
-
 def slot_capacity(config: SFIConfig, max_model_len: int) -> int:
-    """Entries one slot holds: sinks + the largest K + the recent window + the longest reuse."""
-    return config.sink + config.budget(max_model_len) + config.recent + longest_reuse(config) + 1
+    """Entries one slot holds: sinks + the largest K + the recent window + the longest reuse
+    (:func:`sfi.core.triggers.longest_reuse`; :data:`BOOTSTRAP_REUSE` where it has no bound)."""
+    reuse = longest_reuse(config)
+    return (config.sink + config.budget(max_model_len) + config.recent
+            + (BOOTSTRAP_REUSE if reuse is None else reuse) + 1)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,23 +43,28 @@ def parse_settings(spec: str) -> tuple[SFIConfig, int | None]:
         else:
             rest.append(item)
     overrides = parse_overrides(rest, where=ENV)
-    exact = [name for name in EXACT_FIELDS if name in overrides]
-    if exact:
-        raise SFIConfigError(f"{ENV}: {', '.join(exact)} set exact mode's drafts, which the "
-                             "vLLM plugin does not run (exact mode is sfi.generate's and "
-                             "sfi generate's)")
     config = SFIConfig.from_preset(preset, **overrides)
-    refuse_transformers_only(config, where=f"{ENV}: ")
+    refuse_transformers_only(config, where=f"{ENV}: ", named=overrides)
     return config, slots
 
 
-def refuse_transformers_only(config: SFIConfig, where: str = "") -> None:
-    """Refuse, naming it, a field of :data:`REDO_FIELDS` that ``config`` turns on (the
-    transformers path's alone)."""
+def refuse_transformers_only(config: SFIConfig, where: str = "",
+                             named: Collection[str] | None = None) -> None:
+    """Refuse, naming it, a field of :data:`REDO_FIELDS` that ``config`` turns on, or exact
+    mode's drafts where they were ``named`` (None: where they differ from the defaults): the
+    transformers path's alone."""
     redo = [name for name in REDO_FIELDS if getattr(config, name)]
     if redo:
         raise SFIConfigError(f"{where}{', '.join(redo)} runs a step or positions again, which "
                              "the vLLM plugin does not (vLLM schedules each step once)")
+    default = SFIConfig()
+    exact = [name for name in EXACT_FIELDS
+             if (name in named if named is not None
+                 else getattr(config, name) != getattr(default, name))]
+    if exact:
+        raise SFIConfigError(f"{where}{', '.join(exact)} set exact mode's drafts, which the "
+                             "vLLM plugin does not run (exact mode is sfi.generate's and "
+                             "sfi generate's)")
 
 
 @dataclass
