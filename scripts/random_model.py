@@ -1,11 +1,14 @@
 """Save a random-weight model with the shape of a real one, for throughput runs at lengths the
-packaged models do not reach (``make gpu-check``): decode speed depends on the shape only.
+packaged models do not reach (``make gpu-check``) or of models whose KV outweighs their weights
+(``smollm2-360m``: at 32K its fp32 KV is 2.7 GB against 1.4 GB of weights): decode speed depends
+on the shape only.
 
     python scripts/random_model.py qwen3-4b out/qwen3-4b-random [--device cuda]
         [--tokenizer FOLDER]
 
-The tokenizer is Qwen2.5's (the packaged ``qwen2.5-0.5b``; Qwen3 shares its vocabulary), or the
-one saved in ``--tokenizer FOLDER`` on a machine without the packaged model.
+The tokenizer is the packaged model's of the same vocabulary (Qwen2.5's for the Qwen shapes,
+Qwen3 shares it; SmolLM2-135M's for ``smollm2-360m``), or the one saved in ``--tokenizer
+FOLDER`` on a machine without the packaged model.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ SHAPES = {
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                          rope_theta=1_000_000.0, tie_word_embeddings=False,
                          use_sliding_window=False),
+    # SmolLM2-360M-Instruct's config (Llama, grouped 3:1), with a longer RoPE range
+    "smollm2-360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                         num_attention_heads=15, num_key_value_heads=5, head_dim=64,
+                         vocab_size=49152, rope_theta=100_000.0, tie_word_embeddings=True,
+                         rms_norm_eps=1e-5),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      vocab_size=151936, rope_theta=1_000_000.0, tie_word_embeddings=True),
@@ -30,18 +38,25 @@ SHAPES = {
 
 def save_random_model(shape: str, folder: Path, max_positions: int, device: str,
                       tokenizer: Path | None = None) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     from sfi.models import load_tokenizer
 
-    kind = Qwen2Config if shape.startswith("qwen2") else Qwen3Config
+    kind = (LlamaConfig if shape.startswith("smollm2") else
+            Qwen2Config if shape.startswith("qwen2") else Qwen3Config)
     config = kind(max_position_embeddings=max_positions, **SHAPES[shape])
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     tok = (AutoTokenizer.from_pretrained(tokenizer) if tokenizer is not None
-           else load_tokenizer("qwen2.5-0.5b"))
+           else load_tokenizer("smollm2" if shape.startswith("smollm2") else "qwen2.5-0.5b"))
     tok.save_pretrained(folder)
     return folder
 
