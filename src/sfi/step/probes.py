@@ -143,9 +143,6 @@ class ProbeCheck:
     def __init__(self) -> None:
         self._groups: dict[tuple[Any, ...], _Group] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._groups)
-
     def add(self, rule: ProbeRule, memories: ProbedMemories, evidence: ProbeEvidence) -> None:
         """Keep ``evidence`` of ``memories`` (the same object at every probe layer of a
         step), checked by ``rule`` with the other layers' of the same rows and settings."""
@@ -154,7 +151,7 @@ class ProbeCheck:
             raise ValueError("coverage_next and coverage_copy need the fast step's logits over "
                              "the memory's slots and the positions they hold")
         key = (rule, id(memories), evidence.scale, evidence.softcap,
-               tuple(evidence.query.shape[1:]),
+               tuple(evidence.query.shape[1:]), evidence.scores.shape[-1],
                None if evidence.memory is None else evidence.memory.shape[-1])
         group = self._groups.get(key)
         if group is None:
@@ -188,7 +185,7 @@ def _verdict(group: _Group) -> ProbeVerdict:
     layers, n = len(readers), len(at.rows)
     query = torch.cat([part.query for part in parts])
     lse = torch.cat([part.lse for part in parts])
-    scores = _cat_pages([part.scores for part in parts])
+    scores = torch.cat([part.scores for part in parts])
     shift = at.shift.repeat(layers) if at.shift is not None else None
     raised = None
     copying = torch.zeros(n, dtype=torch.bool, device=query.device)
@@ -207,11 +204,3 @@ def _verdict(group: _Group) -> ProbeVerdict:
                           length=at.length, shift=at.shift, raised=raised, heads=rule.heads)
     return ProbeVerdict(at, missed, copying)
 
-
-def _cat_pages(scores: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``scores`` (each ``[m, H, P_i]``) as one ``[sum m, H, max P_i]``, -inf past a part's
-    pages."""
-    pages = max(s.shape[-1] for s in scores)
-    return torch.cat([s if s.shape[-1] == pages else
-                      torch.nn.functional.pad(s, (0, pages - s.shape[-1]), value=float("-inf"))
-                      for s in scores])
