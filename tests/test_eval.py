@@ -246,12 +246,16 @@ def test_eval_and_analyze_commands(default_model, tmp_path):
     assert [(r["method"], r["budget"]) for r in out["rows"]] == [
         ("full:no-nms", 1.0), ("sfi:no-nms", 0.3), ("tova:no-nms", 0.5)]
     assert out["sfi_overrides"] == ["nms_strength=0"]
+    assert list(out["configs"]) == ["sfi:no-nms"]  # what sfi ran, whatever the defaults become
+    assert out["configs"]["sfi:no-nms"]["nms_strength"] == 0
+    assert out["configs"]["sfi:no-nms"]["alpha"] == SFIConfig().alpha
     assert {"results.json", "report.md", "score_vs_budget.png"} <= {
         p.name for p in tmp_path.iterdir()}
     merged = run_cli("report", str(tmp_path / "results.json"), str(tmp_path / "results.json"),
                      "--out", str(tmp_path / "merged"))
     assert merged.returncode == 0, merged.stderr
-    assert len(json.loads((tmp_path / "merged" / "results.json").read_text())["rows"]) == 3
+    merged_result = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert len(merged_result["rows"]) == 3 and merged_result["configs"] == out["configs"]
     assert run_cli("report", str(tmp_path / "nope.json"), "--out", str(tmp_path)).returncode == 2
     assert {r["weights"] for r in out["rows"]} == {"native"}
     other = run_cli("eval", "--tasks", "passkey", "--contexts", "600", "--samples", "1",

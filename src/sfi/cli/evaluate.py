@@ -89,7 +89,7 @@ def eval_cmd(
     context_list = int_list("--contexts", contexts)
     method_list = name_list("--methods", methods)
     budget_list = float_list("--budgets", budgets)
-    parse_runs(method_list, budget_list)  # unknown methods fail before the model loads
+    runs = parse_runs(method_list, budget_list)  # unknown methods fail before the model loads
     overrides = parse_overrides(set_ or [])
     build_config(extra=set_)  # a clear error for a value the config refuses
     if samples < 1 or fidelity_tokens < 1:
@@ -131,6 +131,11 @@ def eval_cmd(
         "model": model, "tasks": task_list, "contexts": context_list, "methods": method_list,
         "budgets": budget_list, "samples": samples, "seed": seed, "weights": weights,
         "sfi_overrides": set_ or [],
+        # each SFI method's configuration (its budget then sets K and the recent window), so
+        # that a row named sfi@... still says what it ran after the library's defaults move
+        "configs": {f"{m.name}:{tag}" if tag else m.name:
+                    m.sfi_config(overrides=overrides).to_dict()
+                    for m, _ in runs if m.kind == "sfi"},
         "command": "sfi eval " + " ".join(sys.argv[2:]),
         "rows": earlier + [r.to_dict() for r in rows]}
     result["summary"] = summarize(result["rows"])

@@ -322,7 +322,8 @@ def markdown(result: Row, plots: list[str]) -> str:
 def merge_results(results: list[Row]) -> Row:
     """Several runs of one model as one result: rows united (a row of a later run replaces one
     of an earlier run with the same task, context, sample, method, budget and weights),
-    settings united, the summary recomputed."""
+    settings and SFI configurations united (a later run's configuration of a method name
+    replaces an earlier's), the summary recomputed."""
     if not results:
         raise SFIError("nothing to merge")
     models = {r["model"] for r in results}
@@ -341,6 +342,7 @@ def merge_results(results: list[Row]) -> Row:
         "samples": len({(row["task"], row["context"], row["sample"]) for row in rows}
                        ) // max(1, len({(row["task"], row["context"]) for row in rows})),
         "seed": results[0]["seed"],
+        "configs": {name: config for r in results for name, config in r.get("configs", {}).items()},
         "command": " ; ".join(r.get("command", "sfi eval") for r in results),
         "rows": rows,
     }
