@@ -126,6 +126,16 @@ def sparse_pays(seq: SequenceState, total: int) -> bool:
     return not seq.dense_only and seq.config.sparse_pays(total - seq.pad, seq.weight_positions)
 
 
+def prompt_decision(seq: SequenceState, total: int, selects: bool) -> tuple[str, str | None]:
+    """What the forward that ends ``seq``'s prompt at cache length ``total`` does:
+    ``(SLOW, bootstrap)``, a selection from the prompt, where it ``selects`` (the engine has
+    the prompt's evidence queries at hand) and sparse decoding pays; else ``(DENSE, None)``
+    (the first decode step then bootstraps, :func:`decode_decision`)."""
+    if selects and sparse_pays(seq, total):
+        return SLOW, BOOTSTRAP
+    return DENSE, None
+
+
 def decode_decision(seq: SequenceState, token: int | None, total: int) -> tuple[str, str | None]:
     """What a decode step of ``seq`` at cache length ``total`` does, before it runs:
     ``(kind, refresh reason)``. Dense while sparse decoding does not pay (or for a full-attention

@@ -41,6 +41,7 @@ from sfi.core.sequence_policy import (
     fast_read_fraction,
     keep_inputs,
     next_memory,
+    prompt_decision,
     record_step,
     repair_span,
     sparse_pays,
@@ -165,8 +166,7 @@ class Planner:
             return (SLOW, due) if due is not None else (DENSE, None)
         if decode:
             return decode_decision(seq, token, total)
-        kind = SLOW if sparse_pays(seq, total) and select else DENSE
-        return kind, (BOOTSTRAP if kind == SLOW else None)
+        return prompt_decision(seq, total, select)
 
     def _probes(self, fast_rows: list[int], width: int, total: int, device: torch.device
                 ) -> tuple[Probe, ...]:

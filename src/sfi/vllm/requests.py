@@ -50,8 +50,8 @@ from sfi.core.sequence_policy import (
     decode_decision,
     fast_read_fraction,
     next_memory,
+    prompt_decision,
     record_step,
-    sparse_pays,
 )
 from sfi.core.triggers import BOOTSTRAP, TokenClasses, longest_reuse, make_trigger
 from sfi.errors import SFIConfigError
@@ -265,8 +265,8 @@ class RequestBook:
             state.prompt_length = t
             return RowPlan(row, DENSE, state.slot, t, record=record)
         select: RowPlan | None = None
-        if seq.memory is None and state.prompt_length == t - 1 and state.recorded \
-                and sparse_pays(seq, t - 1):
+        ends_prompt = seq.memory is None and state.prompt_length == t - 1 and state.recorded > 0
+        if prompt_decision(seq, t - 1, ends_prompt)[0] == SLOW:
             # the prompt's selection (made at its end, as at the transformers path's prefill)
             memory = next_memory(seq, t - 1)
             record_step(seq, SLOW, decode=False, memory=memory, reason=BOOTSTRAP)
