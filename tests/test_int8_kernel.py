@@ -82,3 +82,18 @@ def test_without_the_kernel_the_operator_is_its_reference(monkeypatch):
     x, w, scale = _operands(2, 12, 10)
     torch.testing.assert_close(torch.ops.sfi.int8_gemv(x, w, scale),
                                int8_kernel.reference_product(x, w, scale))
+
+
+def test_a_stopped_builds_lock_is_cleared_and_a_running_ones_kept(tmp_path):
+    """torch's extension build waits for its folder's lock with no end: a lock a stopped build
+    left (older than a build takes) is removed, a fresh one (a build under way) is not."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not int8_kernel.clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - int8_kernel.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert int8_kernel.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not int8_kernel.clear_stale_lock(tmp_path)  # none there

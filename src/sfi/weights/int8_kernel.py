@@ -16,10 +16,11 @@ EPYC: ``scripts/weight_products.py``). :func:`reference_product` is the same pro
 in PyTorch, unrounded: the tests hold the kernel to it (:func:`close`).
 
 It is built on first use with ``torch.utils.cpp_extension`` (a C++ compiler, and ninja, a
-dependency of sfi; about a minute, once: the build is kept in sfi's cache folder) and used
-only where it builds, passes a check product and the CPU has AVX2 and no AVX-512
-(:func:`available`, :func:`why_not`); elsewhere the compiled reduction runs. To the compiler
-it is one operator (``torch.ops.sfi.int8_gemv``) that a compiled step calls as it is.
+dependency of sfi; about a minute, once per Python environment: the build is kept in sfi's
+cache folder) and used only where it builds, passes a check product and the CPU has AVX2 and
+no AVX-512 (:func:`available`, :func:`why_not`); elsewhere the compiled reduction runs. To
+the compiler it is one operator (``torch.ops.sfi.int8_gemv``) that a compiled step calls as it
+is.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import hashlib
 import os
 import platform
 import sys
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -35,9 +37,13 @@ from typing import Any
 import torch
 
 from sfi.cache_folder import cache_root
+from sfi.notices import notice_once
 
 #: set to ``0`` to run the compiled reduction instead of the kernel
 ENV_SWITCH = "SFI_INT8_KERNEL"
+#: seconds after which the build folder's lock is taken for a dead build's: a build takes about
+#: a minute, and ``torch.utils.cpp_extension`` waits for a lock with no end
+STALE_LOCK_S = 600.0
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -230,7 +236,9 @@ def _built() -> tuple[Any | None, str]:
         return None, "not a CPU with AVX2 and FMA but without AVX-512"
     from torch.utils.cpp_extension import load_inline
 
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + torch.__version__).encode())
+    # one build per environment: another's headers and paths would make ninja build again
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + torch.__version__ + sys.prefix
+                             ).encode())
     name = f"sfi_int8_gemv_{digest.hexdigest()[:12]}"
     folder = cache_root() / "extensions" / name
     # the ninja of sfi's own environment (a dependency) where the environment is not activated
@@ -238,6 +246,7 @@ def _built() -> tuple[Any | None, str]:
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(folder)
         module = load_inline(name=name, cpp_sources=_SOURCE, functions=["int8_gemv"],
                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                              build_directory=str(folder), verbose=False)
@@ -252,6 +261,23 @@ def _built() -> tuple[Any | None, str]:
     if not close(module.int8_gemv(x, w, scale), reference_product(x, w, scale)):
         return None, "it built but its check product disagreed with the reference"
     return module, ""
+
+
+def clear_stale_lock(folder: Path, stale_after: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock in ``folder`` where it is older than ``stale_after`` seconds: what
+    a build left that was stopped (Ctrl-C, a killed process) before it let go of the lock,
+    which ``torch.utils.cpp_extension`` would otherwise wait for forever. True where one was
+    removed."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime <= stale_after:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    notice_once(f"sfi: removed a stale build lock of the int8 kernel ({lock}), left by a build "
+                "that was stopped")
+    return True
 
 
 def _extension() -> Any | None:
