@@ -212,6 +212,7 @@ def test_a_prompt_file_that_is_a_folder_or_missing_says_which(tmp_path):
     missing = run_cli_here("generate", "--prompt-file", str(tmp_path / "none.txt"))
     assert missing.returncode == 2 and "no file" in missing.stderr
     assert "Traceback" not in folder.stderr + missing.stderr
+    assert folder.stderr.strip().count("\n") == 0  # one line, a long path included
 
 
 def test_an_unreadable_prompt_file_gets_one_line(tmp_path, monkeypatch):

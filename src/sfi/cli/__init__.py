@@ -116,5 +116,6 @@ def main() -> None:
     try:
         app()
     except SFIError as exc:
-        err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        # one line however long (a path, a list of choices): not wrapped at the console's width
+        err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
         sys.exit(2)
