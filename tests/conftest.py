@@ -3,6 +3,8 @@ packaged default model."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (
@@ -50,6 +52,14 @@ def tied_tiny_qwen2():
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs ``-n``), each worker takes its share of the CPU's
+    cores for torch's threads, so that the workers do not oversubscribe them."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
 
 
 @pytest.fixture(scope="session")
