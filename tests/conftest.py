@@ -59,7 +59,9 @@ def pytest_configure(config):
     cores for torch's threads, so that the workers do not oversubscribe them."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // int(workers)))
 
 
 @pytest.fixture(scope="session")
