@@ -71,7 +71,8 @@ def run_request(requests: RequestBook, key: int, prompt: int, new_tokens: int,
 
 
 def test_the_books_fast_steps_count_what_their_probes_read():
-    """Every fast row of the plugin is probed at each probe layer, which reads the page
+    """Every fast row of the plugin that no probe flagged is probed at each probe layer (none
+    is flagged here: nothing runs the probes), which reads the page
     summaries, the pages' keys and, for lack of the kernel's log-sum-exp, the memory's keys
     again: a fast step's reads are the memory's and those, no more."""
     from sfi.core.cost_model import probe_reads
@@ -492,8 +493,14 @@ def test_a_coverage_miss_refreshes_after_the_gap_as_in_the_planner():
     plans = [requests.plan([7], [1], [60 + i], [0])[0] for i in (3, 4)]
     assert [(p.kind, p.reason) for p in plans] == [(SLOW, "coverage"), (FAST, None)]
     requests.apply_coverage_flags(flags)  # flagged right after a refresh:
+    seq = requests.requests[7].seq
+    before = seq.stats.fast_read_sum
     plans = [requests.plan([7], [1], [60 + i], [0])[0] for i in (5, 6)]  # waits for the gap
     assert [(p.kind, p.reason) for p in plans] == [(FAST, None), (SLOW, "coverage")]
+    # the waiting fast step is not probed again (as in the planner) and reads its memory alone
+    assert not plans[0].probed
+    assert seq.stats.fast_read_sum - before == pytest.approx(plans[0].memory.read(65) / 65)
+    assert requests.plan([7], [1], [67], [0])[0].probed  # refreshed: probed again
 
 
 def test_the_plugin_takes_every_option_but_those_that_run_a_step_again():
@@ -616,9 +623,9 @@ def _probe_alone(layer, md, c):
     from sfi.core.pages import probe_page
     from sfi.vllm.paged import read_blocks, read_positions
 
-    plans, q = md.step.fast_plans, layer.query
+    plans, q = md.step.probe_plans, layer.query
     n, h = q.shape[:2]
-    logits = attention_logits(q, read_blocks(layer.memory_keys, md.step.fast_blocks,
+    logits = attention_logits(q, read_blocks(layer.memory_keys, md.step.probe_blocks,
                                              layer.layout),
                               layer.scale, layer.softcap)
     unwritten = torch.arange(logits.shape[-1]) >= torch.tensor([p.length for p in plans])[:, None]
@@ -683,9 +690,9 @@ def test_probe_layers_checked_together_flag_what_each_layer_alone_flags():
                             coverage_next=rng.random() < 0.5,
                             coverage_heads=rng.choice(["mean", "max"]))
         step = SimpleNamespace(
-            fast_plans=plans, fast_slot_index=torch.tensor(used),
-            fast_blocks=torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]
-                                      for p in plans]))
+            probe_plans=plans, probe_slot_index=torch.tensor(used),
+            probe_blocks=torch.tensor([[p.slot * per_slot + j for j in range(per_slot)]
+                                       for p in plans]))
         md = SimpleNamespace(step=step, book=SimpleNamespace(config=c),
                              block_table=torch.stack([torch.randperm(blocks)[:16]
                                                       for _ in range(n)]))

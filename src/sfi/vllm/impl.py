@@ -139,7 +139,7 @@ class SFIImpl:
             stock(layer, query.index_select(0, step.fast_tokens), key, value, self.buffer,
                   step.fast, part)
             output.index_copy_(0, step.fast_tokens, part)
-            if self.layer_idx in requests.probes:
+            if self.layer_idx in requests.probes and step.probe_plans:
                 self._probe_coverage(layer, md, step, query, kv_cache)
         return self._finish(md, output)
 
@@ -153,7 +153,7 @@ class SFIImpl:
             work = md.work
             work.rebuilder.flush()
             if work.probes:
-                md.book.flag_missed(md.step.fast_slot_index, check_probes(work.probes, md))
+                md.book.flag_missed(md.step.probe_slot_index, check_probes(work.probes, md))
                 work.probes.clear()
         return output
 
@@ -236,16 +236,16 @@ class SFIImpl:
 
     def _probe_coverage(self, layer: Any, md: SFIMetadata, step: PlannedStep,
                         query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """Keep what this probe layer's check needs (:class:`~sfi.vllm.probes.ProbeLayer`):
-        the step's probe layers are checked together after its last layer
-        (:func:`~sfi.vllm.probes.check_probes`, from :meth:`_finish`)."""
+        """Keep what this probe layer's check of the probed fast rows needs
+        (:class:`~sfi.vllm.probes.ProbeLayer`): the step's probe layers are checked together
+        after its last layer (:func:`~sfi.vllm.probes.check_probes`, from :meth:`_finish`)."""
         layout = _cache_layout(layer, self, kv_cache)
         cache_keys = layout.halves(kv_cache)[0]
         h, d = cache_keys.shape[1], cache_keys.shape[3]
-        plans = step.fast_plans
+        plans = step.probe_plans
         records = [self.records[p.slot] for p in plans]
         md.work.probes.append(ProbeLayer(
-            query.index_select(0, step.fast_tokens).view(len(plans), h, -1, d),
+            query.index_select(0, step.probe_tokens).view(len(plans), h, -1, d),
             layout.halves(self.buffer)[0], cache_keys, layout.keys,
             tuple(r.coverage.boxes for r in records), tuple(r.coverage.outside for r in records),
             tuple(r.selected for r in records), self.scale,

@@ -66,7 +66,10 @@ class PlannedStep:
         fast: the stock metadata of the fast rows over the plugin's buffer.
         fast_slots: ``[n_fast]`` where each fast row's new entry goes in the buffer
             (block * bs + offset); fast_blocks: ``[n_fast, blocks]`` each one's slot blocks;
-            fast_slot_index: ``[n_fast]`` their slots; fast_plans: their plans.
+            fast_plans: their plans.
+        probe_plans: the fast rows the coverage probes check (:attr:`RowPlan.probed`);
+            probe_tokens / probe_blocks / probe_slot_index: their query tokens ``[n_probed]``,
+            slot blocks ``[n_probed, blocks]`` and slots ``[n_probed]``.
     """
 
     keys: list[int]
@@ -81,8 +84,11 @@ class PlannedStep:
     fast_tokens: torch.Tensor | None = None
     fast_slots: torch.Tensor | None = None
     fast_blocks: torch.Tensor | None = None
-    fast_slot_index: torch.Tensor | None = None
     fast_plans: list[RowPlan] = field(default_factory=list)
+    probe_plans: list[RowPlan] = field(default_factory=list)
+    probe_tokens: torch.Tensor | None = None
+    probe_blocks: torch.Tensor | None = None
+    probe_slot_index: torch.Tensor | None = None
 
 
 @dataclass

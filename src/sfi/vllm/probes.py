@@ -11,8 +11,8 @@ tensor operations run once per step instead of once per probe layer; each layer'
 gather, product and best pages' read stay its own. The flags stay where the model runs: the
 next step's plan reads them in its one transfer.
 
-Shapes: L probe layers, n fast rows, H KV heads, G query heads per KV head, D head size,
-P pages, S slot entries.
+Shapes: L probe layers, n probed fast rows (those no probe has flagged yet), H KV heads, G
+query heads per KV head, D head size, P pages, S slot entries.
 """
 
 from __future__ import annotations
@@ -56,12 +56,13 @@ class ProbeLayer:
 
 
 def check_probes(layers: Sequence[ProbeLayer], md: Any) -> torch.Tensor:
-    """``[n_fast]`` bool: the fast rows of ``md``'s step (an
-    :class:`~sfi.vllm.metadata.SFIMetadata`) whose memory misses pages the query bounds highly
-    at some of the probe ``layers``, or (``coverage_copy``) whose copy is about to run past
-    what it holds (:class:`sfi.step.probes.ProbeCheck`, the transformers path's check); the
-    layers checked together where their scale, cap and shapes agree, in groups otherwise."""
-    plans = md.step.fast_plans
+    """``[n]`` bool: the probed fast rows of ``md``'s step (an
+    :class:`~sfi.vllm.metadata.SFIMetadata`, its ``probe_plans``) whose memory misses pages
+    the query bounds highly at some of the probe ``layers``, or (``coverage_copy``) whose copy
+    is about to run past what it holds (:class:`sfi.step.probes.ProbeCheck`, the transformers
+    path's check); the layers checked together where their scale, cap and shapes agree, in
+    groups otherwise."""
+    plans = md.step.probe_plans
     device = layers[0].query.device
     width = max(p.memory.sink_count + p.memory.k for p in plans)
     geometry = MemoryTensors.of([p.memory for p in plans], device)
@@ -91,11 +92,11 @@ def _evidence(layers: Sequence[ProbeLayer], md: Any, blocks: torch.Tensor, width
     stock kernel gives none), their log-sum-exp over each slot's written entries, the page
     scores, and where ``rule`` reads them, the logits over the first ``width`` slots (sinks,
     then the selected) and their positions."""
-    plans = md.step.fast_plans
+    plans = md.step.probe_plans
     nl, n = len(layers), len(plans)
     q = torch.cat([layer.query for layer in layers])  # [L n, H, G, D]
     logits = torch.cat([  # [L n, H, G, S] (a layer's slot keys, [n, H, S, D], read once)
-        attention_logits(layer.query, read_blocks(layer.memory_keys, md.step.fast_blocks,
+        attention_logits(layer.query, read_blocks(layer.memory_keys, md.step.probe_blocks,
                                                   layer.layout), layer.scale, layer.softcap)
         for layer in layers])
     device = q.device

@@ -89,6 +89,10 @@ class RowPlan:
         reason: why a slow step refreshes.
         request: which request (a serial number in the book that planned it, never reused
             there; -1 for untracked rows).
+        probed: for ``select`` and ``fast``, whether the coverage probes check the row's
+            memory at this step: not where a probe flagged it already (it refreshes as soon as
+            its ``coverage_gap`` allows, and probing it again cannot change that), as in the
+            transformers path.
     """
 
     row: int
@@ -101,6 +105,7 @@ class RowPlan:
     evidence: int = 0
     reason: str | None = None
     request: int = -1
+    probed: bool = False
 
     @property
     def keys_end(self) -> int:
@@ -277,9 +282,10 @@ class RequestBook:
         if kind == FAST and select is None and seq.memory.read(t) > self.capacity:
             kind, reason = SLOW, CAPACITY  # the slot holds the memory's reads (sfi.vllm.impl)
         memory = next_memory(seq, t) if kind == SLOW else None
-        read = (fast_read_fraction(seq, t, self.layers, probes=len(self.probes),
+        probed = bool(self.probes) and not seq.coverage_miss
+        read = (fast_read_fraction(seq, t, self.layers, probes=len(self.probes) if probed else 0,
                                    probes_reread_memory=True)
-                if kind == FAST else None)  # every fast row is probed (sfi.vllm.probes)
+                if kind == FAST else None)
         record_step(seq, kind, decode=True, token=token, memory=memory, reason=reason, read=read)
         if kind == DENSE:  # nothing to save yet
             return RowPlan(row, DENSE, state.slot, t)
@@ -288,8 +294,9 @@ class RequestBook:
             return RowPlan(row, SLOW, state.slot, t, memory=memory, length=memory.read(t),
                            reason=reason)
         if select is not None:
-            return select
-        return RowPlan(row, FAST, state.slot, t, memory=seq.memory, length=seq.memory.read(t))
+            return replace(select, probed=probed)
+        return RowPlan(row, FAST, state.slot, t, memory=seq.memory, length=seq.memory.read(t),
+                       probed=probed)
 
     def flag_missed(self, slots: Any, flags: Any) -> None:
         """Keep the probes' verdict of a step, ``flags [n]`` for the requests in ``slots [n]``
