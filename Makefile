@@ -13,9 +13,6 @@ OLDEST_VENV ?= .venv-oldest
 OLDEST_BIN  := $(OLDEST_VENV)/bin
 # The oldest transformers pyproject.toml admits; the newest is what .venv gets.
 OLDEST_TRANSFORMERS := transformers==5.17.0
-# The test suite runs in two processes (pytest-xdist), each with half the cores for torch
-# (tests/conftest.py): CI's two cores are both busy while one process is in Python or waits
-TEST_WORKERS ?= 2
 OLDEST_TESTS := tests/test_equivalence.py tests/test_cache.py tests/test_batch.py \
 	tests/test_chunked_prefill.py tests/test_errors.py tests/test_cli.py
 # torch's CPU build, installed first so that nothing pulls a multi-GB CUDA build: PyPI has no
@@ -82,7 +79,7 @@ demo: install
 
 test: install-test
 	$(BIN)/ruff check src tests tests_vllm scripts
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q
 	$(MAKE) docs
 	$(MAKE) test-oldest
 	$(MAKE) test-vllm
@@ -93,7 +90,7 @@ docs: install-test
 
 test-oldest: install-oldest
 	$(OLDEST_BIN)/python -c "import transformers; print('transformers', transformers.__version__)"
-	$(OLDEST_BIN)/python -m pytest -q -n $(TEST_WORKERS) $(OLDEST_TESTS)
+	$(OLDEST_BIN)/python -m pytest -q $(OLDEST_TESTS)
 
 test-vllm: install-vllm
 	$(VLLM_BIN)/python -m pytest -q tests_vllm

@@ -3,8 +3,6 @@ packaged default model."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import (
@@ -52,16 +50,6 @@ def tied_tiny_qwen2():
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
-
-
-def pytest_configure(config):
-    """Under pytest-xdist (``make test`` runs ``-n``), each worker takes its share of the CPU's
-    cores for torch's threads, so that the workers do not oversubscribe them."""
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers:
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // int(workers)))
 
 
 @pytest.fixture(scope="session")
