@@ -71,22 +71,20 @@ def plan_step(md: SFIMetadata) -> PlannedStep:
                           [p.length for p in fast_plans]))
     bs = md.builder.block_size
     fast_blocks = slot_blocks.to(md.block_table.device)
-    slot_index = torch.tensor([p.slot for p in fast_plans], device=device)
     probed = [i for i, p in enumerate(fast_plans) if p.probed]
-    if len(probed) == len(fast_plans):  # (the usual case: no row waits for its refresh)
-        probe_tokens, probe_blocks, probe_slots = fast_tokens, fast_blocks, slot_index
-    else:
+    probe_plans = [fast_plans[i] for i in probed]
+    probe_tokens, probe_blocks = fast_tokens, fast_blocks  # (usually no row waits to refresh)
+    if len(probed) < len(fast_plans):
         among = torch.tensor(probed, dtype=torch.long, device=device)
-        probe_tokens, probe_slots = fast_tokens[among], slot_index[among]
-        probe_blocks = fast_blocks[among.to(fast_blocks.device)]
+        probe_tokens, probe_blocks = fast_tokens[among], fast_blocks[among.to(fast_blocks.device)]
     return PlannedStep(
         keys, seq_lens, plans, refreshing, recording, stock, dense, dense_tokens, fast,
         fast_tokens,
         fast_slots=torch.tensor([slot_start(p.slot, per_slot, bs) + p.length - 1
                                  for p in fast_plans], device=device),
         fast_blocks=fast_blocks, fast_plans=fast_plans,
-        probe_plans=[fast_plans[i] for i in probed], probe_tokens=probe_tokens,
-        probe_blocks=probe_blocks, probe_slot_index=probe_slots)
+        probe_plans=probe_plans, probe_tokens=probe_tokens, probe_blocks=probe_blocks,
+        probe_slot_index=torch.tensor([p.slot for p in probe_plans], device=device))
 
 
 def check_packed(requests: RequestBook, rebuilder: StackingRebuilder) -> None:

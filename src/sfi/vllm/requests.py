@@ -53,7 +53,7 @@ from sfi.core.sequence_policy import (
     prompt_decision,
     record_step,
 )
-from sfi.core.triggers import BOOTSTRAP, TokenClasses, longest_reuse, make_trigger
+from sfi.core.triggers import TokenClasses, longest_reuse, make_trigger
 from sfi.errors import SFIConfigError
 
 SELECT = "select"  # the first decode step after a prompt: select from it, then read fast
@@ -271,11 +271,12 @@ class RequestBook:
             return RowPlan(row, DENSE, state.slot, t, record=record)
         select: RowPlan | None = None
         ends_prompt = seq.memory is None and state.prompt_length == t - 1 and state.recorded > 0
-        if prompt_decision(seq, t - 1, ends_prompt)[0] == SLOW:
+        first, why = prompt_decision(seq, t - 1, ends_prompt)
+        if first == SLOW:
             # the prompt's selection (made at its end, as at the transformers path's prefill)
             memory = next_memory(seq, t - 1)
-            record_step(seq, SLOW, decode=False, memory=memory, reason=BOOTSTRAP)
-            self._count(BOOTSTRAP)
+            record_step(seq, SLOW, decode=False, memory=memory, reason=why)
+            self._count(why)
             select = RowPlan(row, SELECT, state.slot, t, memory=memory,
                              length=memory.read(t), evidence=state.recorded)
         kind, reason = decode_decision(seq, token, t)
